@@ -1,0 +1,46 @@
+//! stage_e_slots: a concurrency cap enforced inside PostgreSQL.
+//!
+//! `stage_e_try_slot(n)` hands this session one of n slots, each a session-level advisory lock,
+//! or NULL when all are taken; `stage_e_release(slot)` gives it back and proves the caller held it.
+//! Module map: `gucs` (settings), `shmem` (shared state), `occupancy` (slot search, plain Rust),
+//! `locks` (lock manager), `session` (this backend and its exit/transaction hooks),
+//! `slots` (the cap's logic), `api` (the SQL surface).
+
+mod api;
+mod gucs;
+mod locks;
+mod occupancy;
+mod session;
+mod shmem;
+mod slots;
+
+use pgrx::prelude::*;
+
+::pgrx::pg_module_magic!();
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    // SAFETY: a flag the postmaster sets while loading shared_preload_libraries.
+    if unsafe { !pg_sys::process_shared_preload_libraries_in_progress } {
+        // Loaded by CREATE EXTENSION or a function call instead: there is no shared memory to
+        // attach, so every function raises an ERROR with a HINT (fail closed), as
+        // pg_stat_statements does.
+        return;
+    }
+    gucs::init();
+    gucs::reserve_prefix();
+    shmem::init();
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+mod pg_tests;
+
+/// Required by `cargo pgrx test`.
+#[cfg(test)]
+pub mod pg_test {
+    pub fn setup(_options: Vec<&str>) {}
+
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec!["shared_preload_libraries = 'stage_e_slots'"]
+    }
+}

@@ -1,0 +1,246 @@
+//! Occupancy bitmap: which slots of one pool are known to be held through the extension.
+//!
+//! Plain Rust over `AtomicU64` words, no Postgres: the same code runs on a shared-memory
+//! bitmap in the server and on a `Vec` in unit tests. A set bit means "claimed": either a
+//! backend holds the slot's advisory lock through the extension, or it is about to probe the
+//! lock manager for it. Setting a bit is a compare-and-swap, so two backends never claim the
+//! same slot at once, and a throttled search costs `n / 64` word loads and no lock-manager call.
+//!
+//! The bitmap is a cache: the lock manager decides. A clear bit may still be locked by a raw
+//! `pg_try_advisory_lock` (the probe finds that out); a set bit is cleared by its owner only.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const WORD_BITS: u32 = 64;
+
+/// Number of 64-bit words needed for `slots` bits.
+pub const fn words_for(slots: u32) -> usize {
+    slots.div_ceil(WORD_BITS) as usize
+}
+
+/// Mask of the bits of word `w` that fall below slot `n`.
+fn mask_below(w: usize, n: u32) -> u64 {
+    let first = w as u32 * WORD_BITS;
+    match n.saturating_sub(first) {
+        0 => 0,
+        k if k >= WORD_BITS => u64::MAX,
+        k => (1u64 << k) - 1,
+    }
+}
+
+/// A claimed slot. Dropping it without [`Claim::keep`] clears the bit again, so an ERROR
+/// raised while probing the lock manager (which unwinds through Rust) cannot leak a slot.
+#[must_use]
+pub struct Claim<'a> {
+    words: &'a [AtomicU64],
+    slot: u32,
+    kept: bool,
+}
+
+impl<'a> Claim<'a> {
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// The slot is now held: leave the bit set.
+    pub fn keep(mut self) -> u32 {
+        self.kept = true;
+        self.slot
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            clear(self.words, self.slot);
+        }
+    }
+}
+
+/// Claims the lowest clear slot in `[from, n)`, or returns `None` when every one is set.
+pub fn claim_first_free(words: &[AtomicU64], from: u32, n: u32) -> Option<Claim<'_>> {
+    let last_word = words_for(n).min(words.len());
+    let mut w = (from / WORD_BITS) as usize;
+    while w < last_word {
+        let mut allowed = mask_below(w, n);
+        if w == (from / WORD_BITS) as usize {
+            allowed &= u64::MAX << (from % WORD_BITS);
+        }
+        let mut current = words[w].load(Ordering::Acquire);
+        loop {
+            let free = !current & allowed;
+            if free == 0 {
+                break;
+            }
+            let bit = free.trailing_zeros();
+            match words[w].compare_exchange_weak(
+                current,
+                current | (1u64 << bit),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Some(Claim {
+                        words,
+                        slot: w as u32 * WORD_BITS + bit,
+                        kept: false,
+                    })
+                }
+                Err(now) => current = now,
+            }
+        }
+        w += 1;
+    }
+    None
+}
+
+/// Clears `slot`'s bit. Only the backend that claimed the slot calls this.
+pub fn clear(words: &[AtomicU64], slot: u32) {
+    let (w, bit) = ((slot / WORD_BITS) as usize, slot % WORD_BITS);
+    words[w].fetch_and(!(1u64 << bit), Ordering::AcqRel);
+}
+
+#[cfg(test)]
+pub fn is_set(words: &[AtomicU64], slot: u32) -> bool {
+    let (w, bit) = ((slot / WORD_BITS) as usize, slot % WORD_BITS);
+    words[w].load(Ordering::Acquire) & (1u64 << bit) != 0
+}
+
+/// Number of set bits in `[0, n)`.
+#[cfg(test)]
+pub fn count(words: &[AtomicU64], n: u32) -> u32 {
+    (0..words_for(n).min(words.len()))
+        .map(|w| (words[w].load(Ordering::Acquire) & mask_below(w, n)).count_ones())
+        .sum()
+}
+
+#[cfg(test)]
+mod unit {
+    use super::*;
+    use std::collections::HashSet;
+    use std::sync::Arc;
+
+    fn bitmap(slots: u32) -> Vec<AtomicU64> {
+        (0..words_for(slots)).map(|_| AtomicU64::new(0)).collect()
+    }
+
+    #[test]
+    fn claims_lowest_free_slot_in_order() {
+        let b = bitmap(130);
+        let got: Vec<u32> = (0..5)
+            .map(|_| claim_first_free(&b, 0, 130).unwrap().keep())
+            .collect();
+        assert_eq!(got, vec![0, 1, 2, 3, 4]);
+        clear(&b, 2);
+        assert_eq!(claim_first_free(&b, 0, 130).unwrap().keep(), 2);
+    }
+
+    #[test]
+    fn never_claims_at_or_above_n() {
+        let b = bitmap(128);
+        for expected in 0..8 {
+            assert_eq!(claim_first_free(&b, 0, 8).unwrap().keep(), expected);
+        }
+        assert!(claim_first_free(&b, 0, 8).is_none());
+        assert_eq!(count(&b, 8), 8);
+        assert_eq!(count(&b, 128), 8);
+        // A larger cap on the same pool sees the remaining slots.
+        assert_eq!(claim_first_free(&b, 0, 9).unwrap().keep(), 8);
+    }
+
+    #[test]
+    fn crosses_word_boundaries_and_fills_exactly_n() {
+        for n in [1u32, 63, 64, 65, 127, 128, 129, 1024, 16384] {
+            let b = bitmap(n);
+            let mut seen = HashSet::new();
+            while let Some(c) = claim_first_free(&b, 0, n) {
+                assert!(c.slot() < n);
+                assert!(seen.insert(c.keep()));
+            }
+            assert_eq!(seen.len() as u32, n, "n = {n}");
+            assert_eq!(count(&b, n), n);
+        }
+    }
+
+    #[test]
+    fn from_skips_lower_slots() {
+        let b = bitmap(200);
+        assert_eq!(claim_first_free(&b, 70, 200).unwrap().keep(), 70);
+        assert_eq!(claim_first_free(&b, 70, 200).unwrap().keep(), 71);
+        assert_eq!(claim_first_free(&b, 199, 200).unwrap().keep(), 199);
+        assert!(claim_first_free(&b, 199, 200).is_none());
+        assert!(claim_first_free(&b, 200, 200).is_none());
+        assert_eq!(claim_first_free(&b, 0, 200).unwrap().keep(), 0);
+    }
+
+    #[test]
+    fn dropped_claim_releases_its_bit() {
+        let b = bitmap(8);
+        {
+            let c = claim_first_free(&b, 0, 8).unwrap();
+            assert!(is_set(&b, c.slot()));
+        }
+        assert!(!is_set(&b, 0));
+        assert_eq!(count(&b, 8), 0);
+    }
+
+    #[test]
+    fn dropped_claim_releases_on_unwind() {
+        let b = bitmap(8);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _c = claim_first_free(&b, 0, 8).unwrap();
+            panic!("lock manager raised an ERROR");
+        }));
+        assert!(r.is_err());
+        assert_eq!(count(&b, 8), 0);
+    }
+
+    #[test]
+    fn concurrent_claims_never_exceed_n_or_duplicate() {
+        let n = 100u32;
+        let b: Arc<Vec<AtomicU64>> = Arc::new(bitmap(n));
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let b = Arc::clone(&b);
+                std::thread::spawn(move || {
+                    let mut mine = Vec::new();
+                    while let Some(c) = claim_first_free(&b, 0, n) {
+                        mine.push(c.keep());
+                    }
+                    mine
+                })
+            })
+            .collect();
+        let mut all: Vec<u32> = handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..n).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn concurrent_claim_and_release_keeps_count_bounded() {
+        let n = 4u32;
+        let b: Arc<Vec<AtomicU64>> = Arc::new(bitmap(64));
+        let handles: Vec<_> = (0..8)
+            .map(|_| {
+                let b = Arc::clone(&b);
+                std::thread::spawn(move || {
+                    for _ in 0..20_000 {
+                        if let Some(c) = claim_first_free(&b, 0, n) {
+                            let s = c.keep();
+                            assert!(s < n);
+                            assert!(count(&b, 64) <= n);
+                            clear(&b, s);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(count(&b, 64), 0);
+    }
+}

@@ -1,0 +1,142 @@
+//! Single-session behaviour, run inside the server by `cargo pgrx test` (one fresh connection
+//! per test; tests run one at a time, see the Makefile). Multi-session behaviour, restarts and
+//! other server configurations are in `tests/` (pytest against real clusters).
+
+#[pgrx::pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    fn one<T: IntoDatum + FromDatum>(sql: &str) -> Option<T> {
+        Spi::get_one::<T>(sql).expect("query runs")
+    }
+
+    fn counter(name: &str) -> i64 {
+        one::<i64>(&format!("SELECT {name} FROM stage_e_stats()")).unwrap()
+    }
+
+    /// The previous test's connection may still be exiting: wait until its slots are free.
+    fn settle() {
+        for _ in 0..500 {
+            if one::<i32>("SELECT held FROM stage_e_stats()") == Some(0) {
+                return;
+            }
+            Spi::run("SELECT pg_sleep(0.01)").unwrap();
+        }
+        panic!("slots still held by an earlier session");
+    }
+
+    fn my_locks() -> Vec<i32> {
+        Spi::connect(|c| {
+            c.select(
+                "SELECT objid::int FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() \
+                 AND classid = current_setting('stage_e_slots.lock_key')::oid AND objsubid = 2 \
+                 AND granted ORDER BY 1",
+                None,
+                &[],
+            )
+            .unwrap()
+            .map(|r| r.get::<i32>(1).unwrap().unwrap())
+            .collect()
+        })
+    }
+
+    #[pg_test]
+    fn hands_out_distinct_slots_then_null_at_the_cap() {
+        settle();
+        let (acq, thr) = (counter("acquired"), counter("throttled"));
+        let got: Vec<Option<i32>> = (0..5).map(|_| one("SELECT stage_e_try_slot(4)")).collect();
+        assert_eq!(got, vec![Some(0), Some(1), Some(2), Some(3), None]);
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot(4)"), None);
+        assert_eq!(my_locks(), vec![0, 1, 2, 3]);
+        assert_eq!(counter("acquired") - acq, 4);
+        assert_eq!(counter("throttled") - thr, 2);
+        assert_eq!(one::<i32>("SELECT held FROM stage_e_stats()"), Some(4));
+        // A larger cap over the same pool sees the slots beyond 4.
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot(5)"), Some(4));
+        assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(5));
+        assert!(my_locks().is_empty());
+    }
+
+    #[pg_test]
+    fn never_returns_a_slot_this_session_already_holds() {
+        settle();
+        // Slot 0 taken with a raw advisory lock by this very session: a naive
+        // pg_try_advisory_lock loop would get it again (re-entrant) and count it twice.
+        Spi::run("SELECT pg_advisory_lock(current_setting('stage_e_slots.lock_key')::int, 0)")
+            .unwrap();
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot(2)"), Some(1));
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot(2)"), None);
+        // The raw lock was not doubled: one unlock frees it completely.
+        Spi::run("SELECT pg_advisory_unlock(current_setting('stage_e_slots.lock_key')::int, 0)")
+            .unwrap();
+        assert_eq!(my_locks(), vec![1]);
+        assert_eq!(one::<bool>("SELECT stage_e_release(1)"), Some(true));
+        assert!(my_locks().is_empty());
+    }
+
+    #[pg_test]
+    fn release_returns_true_once_and_holding_follows() {
+        settle();
+        let rel = counter("released");
+        let slot = one::<i32>("SELECT stage_e_try_slot(8)").unwrap();
+        assert_eq!(one::<bool>(&format!("SELECT stage_e_holding({slot})")), Some(true));
+        assert_eq!(one::<bool>(&format!("SELECT stage_e_release({slot})")), Some(true));
+        assert_eq!(one::<bool>(&format!("SELECT stage_e_holding({slot})")), Some(false));
+        assert_eq!(counter("released") - rel, 1);
+        let foreign = counter("foreign_releases");
+        assert_eq!(one::<bool>(&format!("SELECT stage_e_release({slot})")), Some(false));
+        assert_eq!(counter("foreign_releases") - foreign, 1);
+        assert_eq!(counter("released") - rel, 1);
+    }
+
+    #[pg_test]
+    fn release_all_counts_only_what_it_released() {
+        settle();
+        assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(0));
+        for _ in 0..3 {
+            one::<i32>("SELECT stage_e_try_slot(8)").unwrap();
+        }
+        assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(3));
+        assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(0));
+        assert!(my_locks().is_empty());
+    }
+
+    #[pg_test]
+    fn a_lock_dropped_behind_our_back_is_noticed_by_holding() {
+        settle();
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot(1)"), Some(0));
+        Spi::run("SELECT pg_advisory_unlock_all()").unwrap();
+        assert_eq!(one::<bool>("SELECT stage_e_holding(0)"), Some(false));
+        // The slot is usable again at once, not stuck as "held".
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot(1)"), Some(0));
+        assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(1));
+    }
+
+    #[pg_test]
+    fn holders_view_shows_this_session_with_acquisition_time() {
+        settle();
+        let slot = one::<i32>("SELECT stage_e_try_slot(8)").unwrap();
+        let row = Spi::get_two::<i32, bool>(&format!(
+            "SELECT pid, acquired_at <= clock_timestamp() AND held_for >= '0'::interval \
+             FROM stage_e_slot_holders WHERE slot = {slot}"
+        ))
+        .unwrap();
+        assert_eq!(row.0, one::<i32>("SELECT pg_backend_pid()"));
+        assert_eq!(row.1, Some(true));
+        assert_eq!(one::<bool>(&format!("SELECT stage_e_release({slot})")), Some(true));
+        assert_eq!(one::<i64>("SELECT count(*) FROM stage_e_slot_holders"), Some(0));
+    }
+
+    #[pg_test]
+    fn functions_are_volatile_and_parallel_unsafe() {
+        let bad = one::<i64>(
+            "SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%' \
+             AND (provolatile <> 'v' OR proparallel <> 'u')",
+        );
+        assert_eq!(bad, Some(0));
+        assert_eq!(
+            one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
+            Some(6)
+        );
+    }
+}

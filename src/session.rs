@@ -1,0 +1,120 @@
+//! This backend: who it is, which slots it took through the extension, and the two hooks that
+//! keep shared memory honest when its locks go away without `stage_e_release`:
+//!
+//! - at transaction end, slots whose lock was dropped behind the extension's back
+//!   (`DISCARD ALL`, `pg_advisory_unlock_all()`, `pg_advisory_unlock(key, slot)`; all of which
+//!   can only be run by the holder itself) are cleared from shared memory;
+//! - at backend exit, held slots are released at once and reported.
+//!
+//! Both are registered lazily on first acquire: `_PG_init` runs in the postmaster, whose exit
+//! callbacks children discard, and a backend that never takes a slot pays nothing.
+
+use pgrx::pg_sys;
+use std::cell::{Cell, RefCell};
+use std::ffi::CStr;
+
+thread_local! {
+    /// Slots this backend acquired through the extension and has not released.
+    static TRACKED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    static HOOKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
+}
+
+pub fn pid() -> i32 {
+    // SAFETY: set once at process start.
+    unsafe { pg_sys::MyProcPid }
+}
+
+pub fn database() -> pg_sys::Oid {
+    // SAFETY: set once at backend start-up, before any SQL runs.
+    unsafe { pg_sys::MyDatabaseId }
+}
+
+/// Current time as a TimestampTz (microseconds since 2000-01-01).
+pub fn now() -> i64 {
+    // SAFETY: reads the clock; no shared state.
+    unsafe { pg_sys::GetCurrentTimestamp() }
+}
+
+pub fn in_recovery() -> bool {
+    // SAFETY: reads shared recovery state under its own spinlock.
+    unsafe { pg_sys::RecoveryInProgress() }
+}
+
+pub fn application_name() -> String {
+    // SAFETY: the GUC variable is a valid C string or null.
+    unsafe {
+        let p = pg_sys::application_name;
+        if p.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
+pub fn track(slot: u32) {
+    TRACKED.with_borrow_mut(|t| t.push(slot));
+}
+
+/// Forgets `slot`; true if it was tracked.
+pub fn untrack(slot: u32) -> bool {
+    TRACKED.with_borrow_mut(|t| match t.iter().position(|&s| s == slot) {
+        Some(i) => {
+            t.swap_remove(i);
+            true
+        }
+        None => false,
+    })
+}
+
+pub fn is_tracked(slot: u32) -> bool {
+    TRACKED.with_borrow(|t| t.contains(&slot))
+}
+
+pub fn tracked() -> Vec<u32> {
+    TRACKED.with_borrow(|t| {
+        let mut v = t.clone();
+        v.sort_unstable();
+        v
+    })
+}
+
+fn tracks_any() -> bool {
+    TRACKED.with_borrow(|t| !t.is_empty())
+}
+
+/// Registers the exit and transaction-end hooks once per backend.
+pub fn ensure_hooks() {
+    if HOOKS_REGISTERED.get() {
+        return;
+    }
+    // SAFETY: registered from a normal backend after InitPostgres, so before_shmem_exit
+    // callbacks run LIFO *before* ShutdownPostgres releases all session locks: the hook still
+    // sees (and itself releases) this backend's slots, with shared memory attached.
+    unsafe {
+        pg_sys::before_shmem_exit(Some(on_backend_exit), pg_sys::Datum::from(0));
+        pg_sys::RegisterXactCallback(Some(on_xact_end), std::ptr::null_mut());
+    }
+    HOOKS_REGISTERED.set(true);
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
+    if tracks_any() {
+        crate::slots::release_on_exit();
+    }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_xact_end(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    let ended = matches!(
+        event,
+        pg_sys::XactEvent::XACT_EVENT_COMMIT
+            | pg_sys::XactEvent::XACT_EVENT_ABORT
+            | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT
+            | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT
+    );
+    if ended && tracks_any() {
+        crate::slots::reconcile();
+    }
+}
