@@ -1,0 +1,124 @@
+"""Throwaway PostgreSQL clusters for the demo, the integration tests and the benchmark.
+
+Each cluster lives under /tmp/stage_e_slots/, listens only on a Unix socket in its own folder
+(so it never collides with another server's port), and runs as the `postgres` OS user when we
+are root (initdb refuses root).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import psycopg
+
+PG_CONFIG = os.environ.get("PG_CONFIG", "/usr/lib/postgresql/15/bin/pg_config")
+ROOT = Path(os.environ.get("STAGE_E_CLUSTERS", "/tmp/stage_e_slots"))
+
+
+def bindir() -> Path:
+    return Path(subprocess.check_output([PG_CONFIG, "--bindir"], text=True).strip())
+
+
+def _as_owner() -> list[str]:
+    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+
+class Cluster:
+    """One data directory, its socket folder and its log, with start/stop helpers."""
+
+    def __init__(self, name: str, settings: dict[str, object] | None = None, port: int = 5433):
+        self.name = name
+        self.port = port
+        self.base = ROOT / f"{name}-{os.getpid()}"
+        self.data = self.base / "data"
+        self.log = self.base / "server.log"
+        self.settings = {
+            "listen_addresses": "''",
+            "unix_socket_directories": f"'{self.base}'",
+            "port": port,
+            "shared_preload_libraries": "'stage_e_slots'",
+            "max_connections": 100,
+            "fsync": "off",
+            "log_line_prefix": "'%m [%p] %a: '",
+        }
+        self.settings.update(settings or {})
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*_as_owner(), *args], check=check, capture_output=True, text=True, cwd="/tmp"
+        )
+
+    def init(self) -> "Cluster":
+        shutil.rmtree(self.base, ignore_errors=True)
+        self.base.mkdir(parents=True)
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam("postgres")
+            ROOT.chmod(0o1777)
+            os.chown(self.base, pw.pw_uid, pw.pw_gid)
+        self._run(str(bindir() / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                  "--no-sync")
+        self.write_settings()
+        return self
+
+    def write_settings(self) -> None:
+        lines = [f"{k} = {v}" for k, v in self.settings.items() if v is not None]
+        conf = self.data / "postgresql.auto.conf"
+        conf.write_text("\n".join(lines) + "\n")
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam("postgres")
+            os.chown(conf, pw.pw_uid, pw.pw_gid)
+
+    def start(self) -> "Cluster":
+        self._run(str(bindir() / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w",
+                  "-t", "60", "start")
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(str(bindir() / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop",
+                  check=False)
+
+    def destroy(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    # -- sessions ------------------------------------------------------------------------
+    def conninfo(self, dbname: str = "postgres", application_name: str = "stage_e_test") -> str:
+        return (f"host={self.base} port={self.port} user=postgres dbname={dbname} "
+                f"application_name={application_name}")
+
+    def connect(self, dbname: str = "postgres", application_name: str = "stage_e_test",
+                **kw) -> psycopg.Connection:
+        return psycopg.connect(self.conninfo(dbname, application_name), autocommit=True, **kw)
+
+    def sql(self, query: str, dbname: str = "postgres", params=None):
+        with self.connect(dbname) as c:
+            cur = c.execute(query, params)
+            return cur.fetchall() if cur.description else None
+
+    def create_database(self, name: str, extension: bool = True) -> str:
+        self.sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        self.sql(f'CREATE DATABASE "{name}"')
+        if extension:
+            self.sql("CREATE EXTENSION stage_e_slots", dbname=name)
+        return name
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+    """Polls `predicate` until it returns a truthy value; raises after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

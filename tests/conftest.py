@@ -1,0 +1,67 @@
+"""Fixtures: real clusters started from the installed extension, real sessions (psycopg)."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from pgcluster import Cluster, wait_for  # noqa: E402
+
+KEY = 20260725  # the documented default stage_e_slots.lock_key
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    # Each test gets its own database, hence its own pool: raise the per-database limit.
+    c = Cluster("tests", {"stage_e_slots.max_databases": 128}).init().start()
+    yield c
+    c.destroy()
+
+
+@pytest.fixture
+def db(cluster, request):
+    """A fresh database with the extension, named after the test."""
+    name = "t_" + re.sub(r"[^a-z0-9_]", "_", request.node.name.lower())[:50]
+    cluster.create_database(name)
+    yield name
+
+
+@pytest.fixture
+def connect(cluster, db):
+    """Opens sessions on the test's database; closes whatever is left at the end."""
+    opened = []
+
+    def _connect(application_name="stage_e_test", dbname=None):
+        conn = cluster.connect(dbname or db, application_name)
+        opened.append(conn)
+        return conn
+
+    yield _connect
+    for conn in opened:
+        if not conn.closed:
+            conn.close()
+
+
+def one(conn, query, params=None):
+    row = conn.execute(query, params).fetchone()
+    return row[0] if row else None
+
+
+def stats(conn):
+    cur = conn.execute("SELECT * FROM stage_e_stats()")
+    return dict(zip([d.name for d in cur.description], cur.fetchone()))
+
+
+def slot_lock_holders(conn, n=None):
+    """(slot, pid) of granted slot locks in conn's database, straight from pg_locks."""
+    q = ("SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' AND classid = %s "
+         "AND objsubid = 2 AND granted AND database = "
+         "(SELECT oid FROM pg_database WHERE datname = current_database())")
+    rows = conn.execute(q, (KEY,)).fetchall()
+    return sorted(r for r in rows if n is None or r[0] < n)
+
+
+__all__ = ["one", "stats", "slot_lock_holders", "wait_for", "KEY"]

@@ -1,0 +1,137 @@
+"""Bad input, missing preload, standby, settings: clear errors, never an uncapped slot."""
+
+import pytest
+import psycopg
+from psycopg import errors
+
+from conftest import KEY, one, slot_lock_holders, stats
+from pgcluster import Cluster, wait_for
+
+BAD_CALLS = [
+    ("SELECT stage_e_try_slot(NULL)", "n must not be NULL"),
+    ("SELECT stage_e_try_slot(0)", "between 1 and stage_e_slots.max_slots (1024)"),
+    ("SELECT stage_e_try_slot(-3)", "between 1 and stage_e_slots.max_slots (1024)"),
+    ("SELECT stage_e_try_slot(1025)", "between 1 and stage_e_slots.max_slots (1024)"),
+    ("SELECT stage_e_release(NULL)", "slot must not be NULL"),
+    ("SELECT stage_e_release(-1)", "numbered 0 to 1023"),
+    ("SELECT stage_e_release(1024)", "numbered 0 to 1023"),
+    ("SELECT stage_e_holding(NULL)", "slot must not be NULL"),
+    ("SELECT stage_e_holding(-1)", "numbered 0 to 1023"),
+    ("SELECT stage_e_holding(5000)", "numbered 0 to 1023"),
+]
+
+
+@pytest.mark.parametrize("call,bound", BAD_CALLS)
+def test_bad_input_is_a_class_22_error_naming_the_bound_and_changes_nothing(connect, call, bound):
+    c, observer = connect(), connect("observer")
+    assert one(c, "SELECT stage_e_try_slot(4)") == 0
+    before = stats(observer)
+    with pytest.raises(psycopg.Error) as err:
+        c.execute(call)
+    diag = err.value.diag
+    assert diag.sqlstate.startswith("22"), diag.sqlstate
+    assert bound in (diag.message_primary + " " + (diag.message_detail or ""))
+    assert stats(observer) == before
+    assert slot_lock_holders(observer) == [(0, c.info.backend_pid)]
+
+
+def test_bad_input_does_not_throttle_or_foreign_count(connect):
+    c = connect()
+    for call, _ in BAD_CALLS:
+        with pytest.raises(psycopg.Error) as err:
+            c.execute(call)
+        assert err.value.diag.sqlstate.startswith("22")
+    s = stats(c)
+    assert (s["acquired"], s["throttled"], s["released"], s["foreign_releases"]) == (0, 0, 0, 0)
+
+
+def test_reserved_prefix_rejects_typos(connect):
+    c = connect()
+    with pytest.raises(psycopg.Error, match="reserved prefix"):
+        c.execute("SET stage_e_slots.max_slot = 5")
+    assert one(c, "SHOW stage_e_slots.max_slots") == "1024"
+    assert one(c, "SHOW stage_e_slots.lock_key") == str(KEY)
+    with pytest.raises(errors.CantChangeRuntimeParam):
+        c.execute("SET stage_e_slots.max_slots = 5")
+
+
+@pytest.fixture(scope="module")
+def not_preloaded():
+    c = Cluster("nopreload", {"shared_preload_libraries": "''"}).init().start()
+    c.sql("CREATE EXTENSION stage_e_slots")
+    yield c
+    c.destroy()
+
+
+@pytest.mark.parametrize("call", [
+    "SELECT stage_e_try_slot(8)", "SELECT stage_e_release(0)", "SELECT stage_e_release_all()",
+    "SELECT stage_e_holding(0)", "SELECT * FROM stage_e_stats()",
+    "SELECT * FROM stage_e_slot_holders",
+])
+def test_not_preloaded_every_function_errors_with_a_hint(not_preloaded, call):
+    with not_preloaded.connect() as c:
+        with pytest.raises(errors.ObjectNotInPrerequisiteState) as err:
+            c.execute(call)
+        assert "shared_preload_libraries" in err.value.diag.message_primary
+        assert "shared_preload_libraries = 'stage_e_slots'" in err.value.diag.message_hint
+        # And nothing was locked behind the error.
+        assert one(c, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
+
+
+def test_custom_key_and_bounds_are_honoured():
+    c = Cluster("custom", {
+        "stage_e_slots.lock_key": 77,
+        "stage_e_slots.max_slots": 16,
+        "stage_e_slots.max_databases": 1,
+    }).init().start()
+    try:
+        c.sql("CREATE EXTENSION stage_e_slots")
+        with c.connect() as s, c.connect() as raw:
+            assert one(s, "SELECT stage_e_try_slot(16)") == 0
+            row = raw.execute("SELECT classid::int, objid::int, objsubid FROM pg_locks "
+                              "WHERE locktype = 'advisory' AND pid = %s",
+                              (s.info.backend_pid,)).fetchone()
+            assert row == (77, 0, 2)
+            assert one(raw, "SELECT pg_try_advisory_lock(77, 0)") is False
+            with pytest.raises(errors.InvalidParameterValue, match="out of range") as err:
+                s.execute("SELECT stage_e_try_slot(17)")
+            assert "(16)" in err.value.diag.message_detail
+            assert one(s, "SELECT max_slots FROM stage_e_stats()") == 16
+        # max_databases = 1: a second database is refused, not given an uncapped slot.
+        c.create_database("second")
+        with c.connect("second") as s2:
+            with pytest.raises(errors.ConfigurationLimitExceeded) as err:
+                s2.execute("SELECT stage_e_try_slot(1)")
+            assert "stage_e_slots.max_databases" in err.value.diag.message_hint
+            assert one(s2, "SELECT held FROM stage_e_stats()") == 0
+    finally:
+        c.destroy()
+
+
+def test_hot_standby_refuses_slots():
+    primary = Cluster("primary").init().start()
+    standby = Cluster("standby", port=5434)
+    try:
+        primary.sql("CREATE EXTENSION stage_e_slots")
+        standby.base.mkdir(parents=True, exist_ok=True)
+        import os, pwd
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam("postgres")
+            os.chown(standby.base, pw.pw_uid, pw.pw_gid)
+        from pgcluster import bindir
+        standby._run(str(bindir() / "pg_basebackup"), "-D", str(standby.data), "-R",
+                     "-h", str(primary.base), "-p", str(primary.port), "-U", "postgres")
+        standby.write_settings()
+        standby.start()
+        with standby.connect() as s:
+            wait_for(lambda: one(s, "SELECT pg_is_in_recovery()"), what="standby in recovery")
+            for call in ["SELECT stage_e_try_slot(8)", "SELECT stage_e_release(0)",
+                         "SELECT stage_e_release_all()", "SELECT stage_e_holding(0)"]:
+                with pytest.raises(errors.ReadOnlySqlTransaction) as err:
+                    s.execute(call)
+                assert "standby" in err.value.diag.message_primary
+                assert "primary" in err.value.diag.message_hint
+            assert one(s, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
+    finally:
+        standby.destroy()
+        primary.destroy()
