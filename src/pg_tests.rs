@@ -79,12 +79,24 @@ mod tests {
         settle();
         let rel = counter("released");
         let slot = one::<i32>("SELECT stage_e_try_slot(8)").unwrap();
-        assert_eq!(one::<bool>(&format!("SELECT stage_e_holding({slot})")), Some(true));
-        assert_eq!(one::<bool>(&format!("SELECT stage_e_release({slot})")), Some(true));
-        assert_eq!(one::<bool>(&format!("SELECT stage_e_holding({slot})")), Some(false));
+        assert_eq!(
+            one::<bool>(&format!("SELECT stage_e_holding({slot})")),
+            Some(true)
+        );
+        assert_eq!(
+            one::<bool>(&format!("SELECT stage_e_release({slot})")),
+            Some(true)
+        );
+        assert_eq!(
+            one::<bool>(&format!("SELECT stage_e_holding({slot})")),
+            Some(false)
+        );
         assert_eq!(counter("released") - rel, 1);
         let foreign = counter("foreign_releases");
-        assert_eq!(one::<bool>(&format!("SELECT stage_e_release({slot})")), Some(false));
+        assert_eq!(
+            one::<bool>(&format!("SELECT stage_e_release({slot})")),
+            Some(false)
+        );
         assert_eq!(counter("foreign_releases") - foreign, 1);
         assert_eq!(counter("released") - rel, 1);
     }
@@ -123,8 +135,14 @@ mod tests {
         .unwrap();
         assert_eq!(row.0, one::<i32>("SELECT pg_backend_pid()"));
         assert_eq!(row.1, Some(true));
-        assert_eq!(one::<bool>(&format!("SELECT stage_e_release({slot})")), Some(true));
-        assert_eq!(one::<i64>("SELECT count(*) FROM stage_e_slot_holders"), Some(0));
+        assert_eq!(
+            one::<bool>(&format!("SELECT stage_e_release({slot})")),
+            Some(true)
+        );
+        assert_eq!(
+            one::<i64>("SELECT count(*) FROM stage_e_slot_holders"),
+            Some(0)
+        );
     }
 
     #[pg_test]

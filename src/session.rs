@@ -106,7 +106,10 @@ unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
 }
 
 #[pgrx::pg_guard]
-unsafe extern "C-unwind" fn on_xact_end(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+unsafe extern "C-unwind" fn on_xact_end(
+    event: pg_sys::XactEvent::Type,
+    _arg: *mut std::ffi::c_void,
+) {
     let ended = matches!(
         event,
         pg_sys::XactEvent::XACT_EVENT_COMMIT

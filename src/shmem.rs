@@ -263,4 +263,5 @@ pub fn pool(dboid: pg_sys::Oid, create: bool) -> Result<Option<Pool>, PoolsFull>
 
 // The benchmark's memory target is per slot per database: keep the record at 16 bytes.
 const _: () = assert!(size_of::<SlotRecord>() == 16);
-const _: () = assert!(size_of::<Header>() % 8 == 0 && size_of::<PoolHeader>() % 8 == 0);
+const _: () =
+    assert!(size_of::<Header>().is_multiple_of(8) && size_of::<PoolHeader>().is_multiple_of(8));

@@ -9,11 +9,11 @@
 //!   probing it), and cleared only by that backend: on release, at transaction end if the lock
 //!   vanished, at exit. So a set bit never outlives its lock past the holder's transaction.
 
+use crate::gucs;
 use crate::locks::{self, Probe};
 use crate::occupancy;
 use crate::session;
 use crate::shmem::{self, Counters, Pool};
-use crate::gucs;
 use std::cell::Cell;
 
 #[derive(Debug, PartialEq)]
@@ -276,7 +276,11 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
                 .map(|p| p.record(slot).get())
                 .filter(|&(recorded, _)| recorded == pid)
                 .map(|(_, at)| at);
-            Holder { slot, pid, acquired_at }
+            Holder {
+                slot,
+                pid,
+                acquired_at,
+            }
         })
         .collect())
 }

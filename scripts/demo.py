@@ -1,0 +1,84 @@
+"""`make demo`: a throwaway cluster with stage_e_slots preloaded, and the cap at work."""
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pgcluster import Cluster, wait_for  # noqa: E402
+
+
+def show(title, cur):
+    print(f"\n== {title}")
+    cols = [d.name for d in cur.description]
+    rows = [["" if v is None else str(v) for v in r] for r in cur.fetchall()]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+              for i, c in enumerate(cols)]
+    print("  " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  " + "-+-".join("-" * w for w in widths))
+    for r in rows:
+        print("  " + " | ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def main():
+    cluster = Cluster("demo", {"log_min_messages": "log"}).init().start()
+    print(f"Started a throwaway PostgreSQL cluster in {cluster.base} "
+          "with shared_preload_libraries = 'stage_e_slots'")
+    try:
+        cluster.sql("CREATE EXTENSION stage_e_slots")
+        admin = cluster.connect(application_name="demo-admin")
+        workers = [cluster.connect(application_name=f"worker-{i:02}") for i in range(1, 13)]
+
+        print("\n== 12 workers race for stage_e_try_slot(8) at the same moment")
+        with ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(
+                lambda c: c.execute("SELECT stage_e_try_slot(8)").fetchone()[0], workers))
+        for c, slot in zip(workers, got):
+            outcome = f"slot {slot}" if slot is not None else "NULL (throttled)"
+            print(f"  {c.info.parameter_status('application_name')}  pid {c.info.backend_pid:<6} "
+                  f"-> {outcome}")
+
+        show("SELECT slot, pid, application_name, state, held_for FROM stage_e_slot_holders",
+             admin.execute("SELECT slot, pid, application_name, state, "
+                           "date_trunc('milliseconds', held_for) AS held_for "
+                           "FROM stage_e_slot_holders"))
+
+        holder = next(c for c, s in zip(workers, got) if s == 0)
+        thief = next(c for c, s in zip(workers, got) if s is None)
+        notices = []
+        thief.add_notice_handler(lambda d: notices.append(
+            (d.severity, d.message_primary, d.message_detail)))
+        ok = thief.execute("SELECT stage_e_release(0)").fetchone()[0]
+        print(f"\n== {thief.info.parameter_status('application_name')} (holds nothing) calls "
+              f"stage_e_release(0) -> {ok}")
+        for sev, msg, detail in notices:
+            print(f"  {sev}:  {msg}\n  DETAIL:  {detail}")
+        still = holder.execute("SELECT stage_e_holding(0)").fetchone()[0]
+        print(f"  {holder.info.parameter_status('application_name')} still holds slot 0: {still}")
+
+        print("\n== The incident: a framework closes worker-01's connection mid-region")
+        pid = holder.info.backend_pid
+        holder.close()
+        wait_for(lambda: not admin.execute(
+            "SELECT 1 FROM stage_e_slot_holders WHERE pid = %s", (pid,)).fetchone(),
+            what="the slot to be freed")
+        time.sleep(0.2)
+        for line in cluster.log_text().splitlines():
+            if "exited holding" in line:
+                print("  server log: " + line.split(": ", 1)[1])
+        retry = thief.execute("SELECT stage_e_try_slot(8)").fetchone()[0]
+        print(f"  the freed slot goes to the next worker at once: stage_e_try_slot(8) -> {retry}")
+
+        show("SELECT * FROM stage_e_stats()", admin.execute("SELECT * FROM stage_e_stats()"))
+        for c in workers:
+            if not c.closed:
+                c.close()
+        admin.close()
+    finally:
+        cluster.destroy()
+        print("\nStopped and removed the demo cluster.")
+
+
+if __name__ == "__main__":
+    main()
