@@ -125,6 +125,18 @@ mod tests {
     }
 
     #[pg_test]
+    fn a_slot_unlocked_earlier_in_this_transaction_is_reused_at_once() {
+        settle();
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot(1)"), Some(0));
+        Spi::run("SELECT pg_advisory_unlock(current_setting('stage_e_slots.lock_key')::int, 0)")
+            .unwrap();
+        // Same transaction, no stage_e_holding call in between: try_slot notices by itself.
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot(1)"), Some(0));
+        assert_eq!(my_locks(), vec![0]);
+        assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(1));
+    }
+
+    #[pg_test]
     fn holders_view_shows_this_session_with_acquisition_time() {
         settle();
         let slot = one::<i32>("SELECT stage_e_try_slot(8)").unwrap();

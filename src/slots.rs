@@ -112,6 +112,9 @@ pub fn try_slot(n: Option<i32>) -> Result<Option<u32>, SlotError> {
     let n = check_cap(n)?;
     let pool = pool_for_write()?;
     session::ensure_hooks();
+    // This session may have dropped a slot's lock behind our back earlier in this very
+    // transaction: clear such slots first so they are not counted against the cap.
+    reconcile_with(pool);
     let counters = pool.counters();
     let mut from = 0;
     while let Some(claim) = occupancy::claim_first_free(pool.bits(), from, n) {
@@ -204,9 +207,13 @@ fn lost(pool: Pool, slot: u32) {
 
 /// Transaction end in a backend that tracks slots: clear any whose lock has gone.
 pub fn reconcile() {
-    let Ok(Some(pool)) = my_pool(false) else {
-        return;
-    };
+    if let Ok(Some(pool)) = my_pool(false) {
+        reconcile_with(pool);
+    }
+}
+
+/// Clears this backend's tracked slots whose lock it no longer holds (a local lookup each).
+fn reconcile_with(pool: Pool) {
     for slot in session::tracked() {
         if !locks::held_by_me(slot) {
             lost(pool, slot);
