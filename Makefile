@@ -8,7 +8,7 @@ SUDO_FLAG := $(if $(filter 0,$(shell id -u)),,--sudo)
 
 export PG_CONFIG
 
-.PHONY: deps install install-dev demo test test-unit test-pg test-integration lint clean
+.PHONY: deps install install-dev demo bench test test-unit test-pg test-integration lint clean
 
 deps:
 	@scripts/install-deps.sh
@@ -45,3 +45,7 @@ lint: deps
 clean:
 	cargo clean
 	rm -rf .venv /tmp/stage_e_slots $(PGDATA_TEST)
+
+## Throughput against the peers in bench/ (about 5 minutes); writes bench/results/.
+bench: install
+	.venv/bin/python bench/run.py

@@ -59,18 +59,38 @@ pub fn unlock(slot: u32) -> bool {
 /// Whether this session holds the slot's lock: a lookup in the backend-local lock table.
 pub fn held_by_me(slot: u32) -> bool {
     let tag = slot_tag(slot);
-    // SAFETY: LockHeldByMe reads only backend-local state.
-    unsafe { lock_held_by_me(&tag) }
+    // SAFETY: LockHeldByMe only probes the backend-local lock hash (HASH_FIND, which cannot
+    // raise an ERROR), so it is called without pgrx's setjmp guard: it runs at every
+    // transaction end of a slot-holding backend.
+    unsafe { unguarded::LockHeldByMe(&tag, MODE, false) }
 }
 
-#[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
-unsafe fn lock_held_by_me(tag: &pg_sys::LOCKTAG) -> bool {
-    unsafe { pg_sys::LockHeldByMe(tag, MODE) }
-}
+mod unguarded {
+    use pgrx::pg_sys::{LOCKMODE, LOCKTAG};
 
-#[cfg(any(feature = "pg17", feature = "pg18"))]
-unsafe fn lock_held_by_me(tag: &pg_sys::LOCKTAG) -> bool {
-    unsafe { pg_sys::LockHeldByMe(tag, MODE, false) }
+    #[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
+    #[allow(non_snake_case)]
+    pub unsafe fn LockHeldByMe(tag: *const LOCKTAG, mode: LOCKMODE, _or_stronger: bool) -> bool {
+        unsafe extern "C" {
+            #[link_name = "LockHeldByMe"]
+            fn lock_held_by_me(locktag: *const LOCKTAG, lockmode: LOCKMODE) -> bool;
+        }
+        unsafe { lock_held_by_me(tag, mode) }
+    }
+
+    #[cfg(any(feature = "pg17", feature = "pg18"))]
+    #[allow(non_snake_case)]
+    pub unsafe fn LockHeldByMe(tag: *const LOCKTAG, mode: LOCKMODE, or_stronger: bool) -> bool {
+        unsafe extern "C" {
+            #[link_name = "LockHeldByMe"]
+            fn lock_held_by_me(
+                locktag: *const LOCKTAG,
+                lockmode: LOCKMODE,
+                orstronger: bool,
+            ) -> bool;
+        }
+        unsafe { lock_held_by_me(tag, mode, or_stronger) }
+    }
 }
 
 /// `(slot, pid)` for every granted slot lock in the current database below `max_slots`, from

@@ -17,6 +17,7 @@ thread_local! {
     /// Slots this backend acquired through the extension and has not released.
     static TRACKED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     static HOOKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
+    static RECOVERY_DONE: Cell<bool> = const { Cell::new(false) };
 }
 
 pub fn pid() -> i32 {
@@ -29,15 +30,26 @@ pub fn database() -> pg_sys::Oid {
     unsafe { pg_sys::MyDatabaseId }
 }
 
-/// Current time as a TimestampTz (microseconds since 2000-01-01).
-pub fn now() -> i64 {
-    // SAFETY: reads the clock; no shared state.
-    unsafe { pg_sys::GetCurrentTimestamp() }
+/// Start of the current statement as a TimestampTz: when a slot was acquired, to the
+/// statement (as pg_stat_activity.query_start), without a clock read on the acquire path.
+pub fn statement_start() -> i64 {
+    unsafe extern "C" {
+        fn GetCurrentStatementStartTimestamp() -> pg_sys::TimestampTz;
+    }
+    // SAFETY: returns a backend-local static; cannot raise an ERROR, so no setjmp guard.
+    unsafe { GetCurrentStatementStartTimestamp() }
 }
 
+/// Whether this server is a standby. Once recovery has ended it never resumes in this
+/// process (a promoted standby stays a primary), so a `false` is cached.
 pub fn in_recovery() -> bool {
+    if RECOVERY_DONE.get() {
+        return false;
+    }
     // SAFETY: reads shared recovery state under its own spinlock.
-    unsafe { pg_sys::RecoveryInProgress() }
+    let in_recovery = unsafe { pg_sys::RecoveryInProgress() };
+    RECOVERY_DONE.set(!in_recovery);
+    in_recovery
 }
 
 pub fn application_name() -> String {
@@ -79,7 +91,12 @@ pub fn tracked() -> Vec<u32> {
     })
 }
 
-fn tracks_any() -> bool {
+/// Tracked slots for which `gone(slot)` is true; allocates only when there are some.
+pub fn tracked_where(gone: impl Fn(u32) -> bool) -> Vec<u32> {
+    TRACKED.with_borrow(|t| t.iter().copied().filter(|&s| gone(s)).collect())
+}
+
+pub fn tracks_any() -> bool {
     TRACKED.with_borrow(|t| !t.is_empty())
 }
 

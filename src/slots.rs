@@ -121,7 +121,8 @@ pub fn try_slot(n: Option<i32>) -> Result<Option<u32>, SlotError> {
         let slot = claim.slot();
         match locks::try_lock(slot) {
             Probe::Acquired => {
-                pool.record(slot).set(session::pid(), session::now());
+                pool.record(slot)
+                    .set(session::pid(), session::statement_start());
                 session::track(slot);
                 Counters::bump(&counters.acquired, 1);
                 return Ok(Some(claim.keep()));
@@ -147,15 +148,18 @@ pub fn release(slot: Option<i32>) -> Result<Release, SlotError> {
     let slot = check_slot(slot)?;
     let pool = pool_for_write()?;
     let counters = pool.counters();
-    if locks::held_by_me(slot) {
-        locks::unlock(slot);
-        if session::is_tracked(slot) {
+    // A tracked slot is held unless its lock was dropped behind our back earlier in this
+    // transaction (transaction end reconciles), so go straight to the lock manager; an untracked
+    // one is checked first, so that a foreign release does not draw core's WARNING too.
+    let tracked = session::is_tracked(slot);
+    if (tracked || locks::held_by_me(slot)) && locks::unlock(slot) {
+        if tracked {
             forget(pool, slot);
         }
         Counters::bump(&counters.released, 1);
         return Ok(Release::Released);
     }
-    if session::is_tracked(slot) {
+    if tracked {
         lost(pool, slot);
     }
     Counters::bump(&counters.foreign_releases, 1);
@@ -214,10 +218,11 @@ pub fn reconcile() {
 
 /// Clears this backend's tracked slots whose lock it no longer holds (a local lookup each).
 fn reconcile_with(pool: Pool) {
-    for slot in session::tracked() {
-        if !locks::held_by_me(slot) {
-            lost(pool, slot);
-        }
+    if !session::tracks_any() {
+        return;
+    }
+    for slot in session::tracked_where(|s| !locks::held_by_me(s)) {
+        lost(pool, slot);
     }
 }
 

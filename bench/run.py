@@ -1,0 +1,252 @@
+"""`make bench`: stage_e_slots against the peers a user would write instead, side by side.
+
+Every contender of a workload runs against the same throwaway cluster, one after another, in an
+order that rotates each round; each figure is the median of the rounds. The cluster keeps
+PostgreSQL's default durability (fsync, synchronous_commit), as production would. pgbench sends
+prepared statements (-M prepared), as psycopg 3, asyncpg, pgx, JDBC and Rails do by default.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "scripts"))
+from pgcluster import Cluster, bindir  # noqa: E402
+
+KEY = 20260725
+ROUNDS = 3
+SECONDS = 4
+PROTOCOL = "prepared"
+BIG_N = 16384
+RESULTS = HERE / "results"
+
+
+def pgbench(cluster: Cluster, script: str, clients: int, **variables) -> float:
+    cmd = [str(bindir() / "pgbench"), "-n", "-M", PROTOCOL, "-f", str(HERE / script), "-c", str(clients),
+           "-j", str(min(clients, 2)), "-T", str(SECONDS), "-h", str(cluster.base),
+           "-p", str(cluster.port), "-U", "postgres", "-D", f"key={KEY}"]
+    for k, v in variables.items():
+        cmd += ["-D", f"{k}={v}"]
+    out = subprocess.run(cmd + ["bench"], capture_output=True, text=True)
+    m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
+    failed = re.search(r"number of failed transactions: (\d+)", out.stdout)
+    if out.returncode != 0 or not m or (failed and int(failed.group(1))):
+        raise RuntimeError(f"pgbench {script} failed:\n{out.stdout}\n{out.stderr}")
+    return float(m.group(1))
+
+
+def rounds(contenders: dict[str, callable]) -> dict[str, float]:
+    """Runs each contender once per round, rotating the order; returns medians."""
+    names = list(contenders)
+    seen: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(ROUNDS):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            seen[name].append(contenders[name]())
+    return {n: statistics.median(v) for n, v in seen.items()}
+
+
+def setup(cluster: Cluster) -> None:
+    cluster.create_database("bench")
+    with cluster.connect("bench") as c:
+        c.execute((HERE / "peers.sql").read_text())
+        c.execute("INSERT INTO peer_semaphores VALUES ('bench', 64), ('full', 0)")
+        c.execute("""
+            CREATE FUNCTION inserver_stage_e(iters int) RETURNS float8 LANGUAGE plpgsql AS $$
+            DECLARE t0 timestamptz := clock_timestamp(); s int; ok bool;
+            BEGIN
+              FOR i IN 1 .. iters LOOP
+                s := stage_e_try_slot(8);
+                ok := stage_e_release(s);
+              END LOOP;
+              RETURN extract(epoch FROM clock_timestamp() - t0) * 1e9 / iters;
+            END $$""")
+        c.execute("""
+            CREATE FUNCTION inserver_raw(k int, iters int) RETURNS float8 LANGUAGE plpgsql AS $$
+            DECLARE t0 timestamptz := clock_timestamp(); got bool; ok bool;
+            BEGIN
+              FOR i IN 1 .. iters LOOP
+                got := pg_try_advisory_lock(k, 0);
+                ok := pg_advisory_unlock(k, 0);
+              END LOOP;
+              RETURN extract(epoch FROM clock_timestamp() - t0) * 1e9 / iters;
+            END $$""")
+
+
+def bench_pairs(cluster: Cluster) -> dict:
+    out = {}
+    for clients in (1, 8, 32):
+        print(f"  acquire+release pair, {clients} client(s)", flush=True)
+        out[clients] = rounds({
+            "raw advisory pair": lambda: pgbench(cluster, "pair_raw.sql", clients),
+            "stage_e_slots": lambda: pgbench(cluster, "pair_stage_e.sql", clients, n=64),
+            "PL/pgSQL loop": lambda: pgbench(cluster, "pair_plpgsql.sql", clients, n=64),
+            "table semaphore": lambda: pgbench(cluster, "pair_table.sql", clients),
+        })
+    return out
+
+
+def bench_throttled(cluster: Cluster) -> dict:
+    holder = cluster.connect("bench", application_name="bench-holder")
+    held = holder.execute("SELECT count(stage_e_try_slot(%s)) FROM generate_series(1, %s)",
+                          (BIG_N, BIG_N)).fetchone()[0]
+    assert held == BIG_N, held
+    with cluster.connect("bench") as c:
+        before = c.execute("SELECT throttled FROM stage_e_stats()").fetchone()[0]
+    clients = 8
+    print(f"  throttled try, all {BIG_N} slots held by another session, {clients} clients",
+          flush=True)
+    contenders = {f"stage_e_slots n={n}": (lambda n=n: pgbench(
+        cluster, "throttled_stage_e.sql", clients, n=n)) for n in (8, 64, 1024, BIG_N)}
+    contenders.update({
+        "PL/pgSQL loop n=8": lambda: pgbench(cluster, "throttled_plpgsql.sql", clients, n=8),
+        "PL/pgSQL loop + counter row n=8": lambda: pgbench(
+            cluster, "throttled_plpgsql_counted.sql", clients, n=8),
+        "table semaphore (full)": lambda: pgbench(cluster, "throttled_table.sql", clients),
+        "reference: SELECT 1": lambda: pgbench(cluster, "throttled_ceiling.sql", clients),
+    })
+    result = rounds(contenders)
+    with cluster.connect("bench") as c:
+        after = c.execute("SELECT throttled FROM stage_e_stats()").fetchone()[0]
+        still = c.execute("SELECT held FROM stage_e_stats()").fetchone()[0]
+    assert still == BIG_N and after > before, "every stage_e_slots call must have throttled"
+    holder.close()
+    return result
+
+
+def bench_inserver(cluster: Cluster, iters: int = 200_000) -> dict:
+    print(f"  in-server pair, {iters} iterations in one statement", flush=True)
+    with cluster.connect("bench") as c:
+        def run(q, *a):
+            return lambda: c.execute(q, a).fetchone()[0]
+        return rounds({
+            "stage_e_slots": run("SELECT inserver_stage_e(%s)", iters),
+            "SQL advisory-lock functions": run("SELECT inserver_raw(%s, %s)", KEY, iters),
+        })
+
+
+def shmem_bytes(cluster: Cluster) -> dict:
+    with cluster.connect() as c:
+        size = c.execute("SELECT size FROM pg_shmem_allocations WHERE name = 'stage_e_slots'"
+                         ).fetchone()[0]
+        slots = int(c.execute("SHOW stage_e_slots.max_slots").fetchone()[0])
+        dbs = int(c.execute("SHOW stage_e_slots.max_databases").fetchone()[0])
+    return {"bytes": size, "max_slots": slots, "max_databases": dbs,
+            "per_slot_per_db": size / (slots * dbs)}
+
+
+def targets(r: dict) -> list[tuple[str, float, str, bool]]:
+    p8, th, ins = r["pairs"][8], r["throttled"], r["inserver_ns"]
+    base = th["stage_e_slots n=8"]
+    rows = [
+        ("pair at 8 clients vs raw advisory pair", p8["stage_e_slots"] / p8["raw advisory pair"],
+         ">= 1.0x", None),
+        ("throttled n=8 vs PL/pgSQL + counter row",
+         base / th["PL/pgSQL loop + counter row n=8"], ">= 30x", 30.0),
+        ("throttled n=1024 vs n=8", th["stage_e_slots n=1024"] / base, ">= 0.8x", 0.8),
+        (f"throttled n={BIG_N} vs n=8", th[f"stage_e_slots n={BIG_N}"] / base, ">= 0.7x", 0.7),
+        ("in-server pair vs SQL advisory-lock loop",
+         ins["stage_e_slots"] / ins["SQL advisory-lock functions"], "<= 1.5x", None),
+    ]
+    out = []
+    for name, ratio, want, low in rows:
+        if want.startswith(">="):
+            ok = ratio >= (low if low is not None else 1.0)
+        else:
+            ok = ratio <= 1.5
+        out.append((name, ratio, want, ok))
+    for label, m in (("default", r["shmem_default"]), ("largest", r["shmem_largest"])):
+        out.append((f"shared memory per slot per database ({label}: max_slots {m['max_slots']})",
+                    m["per_slot_per_db"], "<= 64 B", m["per_slot_per_db"] <= 64))
+    return out
+
+
+def report(r: dict) -> str:
+    lines = ["| acquire+release pair (tps) | 1 client | 8 clients | 32 clients |",
+             "| --- | ---: | ---: | ---: |"]
+    for name in r["pairs"][1]:
+        lines.append(f"| {name} | " + " | ".join(
+            f"{r['pairs'][c][name]:,.0f}" for c in (1, 8, 32)) + " |")
+    lines += ["", "| throttled try, 8 clients (calls/s) | tps | vs stage_e_slots n=8 |",
+              "| --- | ---: | ---: |"]
+    base = r["throttled"]["stage_e_slots n=8"]
+    for name, tps in r["throttled"].items():
+        lines.append(f"| {name} | {tps:,.0f} | {tps / base:.2f}x |")
+    lines += ["", "| in-server pair (ns per acquire+release) | ns |", "| --- | ---: |"]
+    for name, ns in r["inserver_ns"].items():
+        lines.append(f"| {name} | {ns:,.0f} |")
+    lines += ["", "| target | measured | wanted | |", "| --- | ---: | ---: | --- |"]
+    for name, v, want, ok in targets(r):
+        unit = " B" if want.endswith("B") else "x"
+        lines.append(f"| {name} | {v:.2f}{unit} | {want} | {'PASS' if ok else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    names = list(r["pairs"][1])
+    width = 0.2
+    for i, name in enumerate(names):
+        xs = [j + (i - 1.5) * width for j in range(3)]
+        a.bar(xs, [r["pairs"][c][name] for c in (1, 8, 32)], width, label=name)
+    a.set_xticks(range(3), ["1 client", "8 clients", "32 clients"])
+    a.set_ylabel("acquire+release pairs per second")
+    a.set_title("Acquire + release (higher is better)")
+    a.legend(fontsize=8)
+    th = r["throttled"]
+    colors = ["tab:orange" if k.startswith("stage_e") else "tab:gray" for k in th]
+    b.barh(list(th), list(th.values()), color=colors)
+    b.invert_yaxis()
+    b.set_xscale("log")
+    b.set_xlabel("throttled calls per second, 8 clients (log scale)")
+    b.set_title("Throttled try: cost flat in n, counted for free")
+    b.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    RESULTS.mkdir(exist_ok=True)
+    started = time.monotonic()
+    settings = {"fsync": "on", "stage_e_slots.max_slots": BIG_N,
+                "max_locks_per_transaction": 512, "max_connections": 60}
+    cluster = Cluster("bench", settings).init().start()
+    r: dict = {}
+    try:
+        setup(cluster)
+        print(f"Benchmark: {ROUNDS} rounds x {SECONDS}s per contender, medians; contenders "
+              f"alternate within each round; pgbench -M {PROTOCOL}", flush=True)
+        r["pairs"] = bench_pairs(cluster)
+        r["throttled"] = bench_throttled(cluster)
+        r["inserver_ns"] = bench_inserver(cluster)
+        r["shmem_largest"] = shmem_bytes(cluster)
+        cluster.stop()
+        cluster.settings.update({"stage_e_slots.max_slots": None})
+        cluster.write_settings()
+        cluster.start()
+        r["shmem_default"] = shmem_bytes(cluster)
+    finally:
+        cluster.destroy()
+    r["seconds"] = round(time.monotonic() - started)
+    table = report(r)
+    print("\n" + table)
+    (RESULTS / "results.json").write_text(json.dumps(r, indent=2) + "\n")
+    (RESULTS / "summary.md").write_text(table + "\n")
+    plot(r, RESULTS / "bench.png")
+    print(f"\nWrote {RESULTS}/results.json, summary.md, bench.png ({r['seconds']} s)")
+    return 0 if all(ok for *_, ok in targets(r)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

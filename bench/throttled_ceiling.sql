@@ -1,0 +1,2 @@
+-- Reference, not a contender: the cheapest possible statement, the protocol's ceiling.
+SELECT 1;

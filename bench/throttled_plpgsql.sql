@@ -1,0 +1,1 @@
+SELECT peer_plpgsql_try(:key, :n);

@@ -1,0 +1,143 @@
+//! Counter values as plain numbers: arithmetic for pending deltas, and the text format in which
+//! pending counts survive a clean restart. Plain Rust, unit-tested without a server.
+
+use serde::Serialize;
+
+/// One value per counter of `stage_e_stats()`, in that order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CounterValues {
+    pub acquired: u64,
+    pub throttled: u64,
+    pub released: u64,
+    pub foreign_releases: u64,
+    pub released_by_exit: u64,
+}
+
+impl CounterValues {
+    pub const NAMES: [&'static str; 5] = [
+        "acquired",
+        "throttled",
+        "released",
+        "foreign_releases",
+        "released_by_exit",
+    ];
+
+    pub fn to_array(self) -> [u64; 5] {
+        [
+            self.acquired,
+            self.throttled,
+            self.released,
+            self.foreign_releases,
+            self.released_by_exit,
+        ]
+    }
+
+    pub fn from_array(a: [u64; 5]) -> Self {
+        CounterValues {
+            acquired: a[0],
+            throttled: a[1],
+            released: a[2],
+            foreign_releases: a[3],
+            released_by_exit: a[4],
+        }
+    }
+
+    fn zip(self, other: Self, f: impl Fn(u64, u64) -> u64) -> Self {
+        let (a, b) = (self.to_array(), other.to_array());
+        Self::from_array(std::array::from_fn(|i| f(a[i], b[i])))
+    }
+
+    pub fn plus(self, other: Self) -> Self {
+        self.zip(other, u64::wrapping_add)
+    }
+
+    /// `self - other`, wrapping: the counters are monotonic, so a later snapshot minus an
+    /// earlier one is the exact delta even across a (theoretical) u64 wrap.
+    pub fn minus(self, other: Self) -> Self {
+        self.zip(other, u64::wrapping_sub)
+    }
+
+    pub fn is_zero(self) -> bool {
+        self == Self::default()
+    }
+}
+
+const FILE_HEADER: &str = "stage_e_slots pending counters v1";
+
+/// Pending counts per database OID, as written at clean shutdown.
+pub fn encode(pending: &[(u32, CounterValues)]) -> String {
+    let mut out = format!("{FILE_HEADER}\n");
+    for (db, v) in pending {
+        let nums: Vec<String> = v.to_array().iter().map(u64::to_string).collect();
+        out.push_str(&format!("{db} {}\n", nums.join(" ")));
+    }
+    out
+}
+
+/// Parses [`encode`]'s output; None if the file is not in that format (it is then ignored,
+/// like pg_stat_statements ignores a dump file of another version).
+pub fn decode(text: &str) -> Option<Vec<(u32, CounterValues)>> {
+    let mut lines = text.lines();
+    if lines.next()? != FILE_HEADER {
+        return None;
+    }
+    lines
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let nums: Vec<u64> = l
+                .split_whitespace()
+                .map(|w| w.parse().ok())
+                .collect::<Option<_>>()?;
+            let [db, a, b, c, d, e] = nums[..] else {
+                return None;
+            };
+            Some((u32::try_from(db).ok()?, CounterValues::from_array([a, b, c, d, e])))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod unit {
+    use super::*;
+
+    fn v(n: u64) -> CounterValues {
+        CounterValues::from_array([n, n + 1, n + 2, n + 3, n + 4])
+    }
+
+    #[test]
+    fn plus_minus_round_trip() {
+        assert_eq!(v(10).plus(v(5)).minus(v(5)), v(10));
+        assert_eq!(v(7).minus(v(7)), CounterValues::default());
+        assert!(v(7).minus(v(7)).is_zero());
+        // Monotonic counters: a delta across a wrap is still exact.
+        let before = CounterValues::from_array([u64::MAX; 5]);
+        let after = before.plus(CounterValues::from_array([3; 5]));
+        assert_eq!(after.minus(before), CounterValues::from_array([3; 5]));
+    }
+
+    #[test]
+    fn file_round_trip() {
+        let pending = vec![(16384, v(1)), (4_000_000_000, v(u64::MAX - 10))];
+        assert_eq!(decode(&encode(&pending)), Some(pending));
+        assert_eq!(decode(&encode(&[])), Some(vec![]));
+    }
+
+    #[test]
+    fn foreign_or_damaged_files_are_rejected() {
+        assert_eq!(decode(""), None);
+        assert_eq!(decode("some other file\n1 2 3 4 5 6\n"), None);
+        assert_eq!(decode(&format!("{FILE_HEADER}\n1 2 3\n")), None);
+        assert_eq!(decode(&format!("{FILE_HEADER}\n1 2 3 4 5 x\n")), None);
+        assert_eq!(decode(&format!("{FILE_HEADER}\n-1 2 3 4 5 6\n")), None);
+    }
+
+    #[test]
+    fn names_follow_array_order() {
+        let v = CounterValues {
+            throttled: 9,
+            ..Default::default()
+        };
+        let i = CounterValues::NAMES.iter().position(|n| *n == "throttled").unwrap();
+        assert_eq!(v.to_array()[i], 9);
+    }
+}
