@@ -27,9 +27,9 @@ demo: install
 ## Everything: slot-search unit tests, in-server tests, multi-session tests on real clusters.
 test: deps test-unit test-pg test-integration
 
-# Plain Rust, no server: the occupancy bitmap (slot search).
+# Plain Rust, no server: the slot search (occupancy bitmap) and the counter arithmetic and file.
 test-unit:
-	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo test --features $(PG_FEATURE) --lib occupancy
+	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo test --features $(PG_FEATURE) --lib unit::
 
 # #[pg_test]s, one at a time: they share one server and its slots.
 test-pg:

@@ -67,9 +67,16 @@ class Cluster:
         return self
 
     def write_settings(self) -> None:
+        """Writes the settings to a file postgresql.conf includes (ALTER SYSTEM, which owns
+        postgresql.auto.conf, still overrides them)."""
         lines = [f"{k} = {v}" for k, v in self.settings.items() if v is not None]
-        conf = self.data / "postgresql.auto.conf"
+        conf = self.data / "stage_e_cluster.conf"
         conf.write_text("\n".join(lines) + "\n")
+        main = self.data / "postgresql.conf"
+        include = "include = 'stage_e_cluster.conf'\n"
+        if include not in main.read_text():
+            with main.open("a") as f:
+                f.write(include)
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")
             os.chown(conf, pw.pw_uid, pw.pw_gid)

@@ -3,11 +3,15 @@
 //! workers). Arguments are `Option` so a NULL reaches us and becomes a class-22 ERROR rather
 //! than a silent NULL from a STRICT function.
 
+use crate::counters::CounterValues;
+use crate::flush::{self, FlushError, Write};
+use crate::gucs;
 use crate::slots::{self, Release, SlotError};
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
+use serde::Serialize;
 
 const HINT_PRELOAD: &str = "Add stage_e_slots to shared_preload_libraries in postgresql.conf \
      (shared_preload_libraries = 'stage_e_slots') and restart the server.";
@@ -70,6 +74,23 @@ fn raise(e: SlotError) -> ! {
         .set_hint(hint)
         .report(PgLogLevel::ERROR);
     unreachable!("ereport(ERROR) does not return")
+}
+
+fn raise_flush(e: FlushError) -> ! {
+    match e {
+        FlushError::Slots(e) => raise(e),
+        FlushError::Busy | FlushError::AgainInThisTransaction => {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_OBJECT_IN_USE,
+                "stage_e_slots counters were already flushed in this transaction",
+                "stage_e_slots",
+            )
+            .set_detail("The row is settled when this transaction commits or aborts.")
+            .set_hint("Call stage_e_flush() or stage_e_reset_stats() once per transaction.")
+            .report(PgLogLevel::ERROR);
+            unreachable!("ereport(ERROR) does not return")
+        }
+    }
 }
 
 fn bounds_detail(name: &str) -> String {
@@ -185,7 +206,226 @@ SELECT h.slot,
  ORDER BY h.slot;
 COMMENT ON VIEW stage_e_slot_holders IS
   'One row per held slot in the current database, from the lock manager, with the holder''s session.';
+GRANT SELECT ON stage_e_slot_holders TO PUBLIC;
 "#,
     name = "stage_e_slot_holders_view",
     requires = [stage_e_slot_holders_internal],
+);
+
+/// The counter columns, in `CounterValues::NAMES` order. (pgrx needs the tuple spelt out in
+/// each signature, so the two functions below repeat it.)
+type CounterRow = (
+    name!(acquired, i64),
+    name!(throttled, i64),
+    name!(released, i64),
+    name!(foreign_releases, i64),
+    name!(released_by_exit, i64),
+);
+
+fn counter_row(v: CounterValues) -> TableIterator<'static, CounterRow> {
+    let a = v.to_array().map(|x| x as i64);
+    TableIterator::once((a[0], a[1], a[2], a[3], a[4]))
+}
+
+/// Adds this database's pending counts to stage_e_throttle_counter now; returns what it added.
+/// Restricted (EXECUTE revoked from PUBLIC): superusers and the extension owner.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_flush() -> TableIterator<
+    'static,
+    (
+        name!(acquired, i64),
+        name!(throttled, i64),
+        name!(released, i64),
+        name!(foreign_releases, i64),
+        name!(released_by_exit, i64),
+    ),
+> {
+    slots::ready().unwrap_or_else(|e| raise(e));
+    let added = flush::flush(Write::Add, true).unwrap_or_else(|e| raise_flush(e));
+    counter_row(added.unwrap_or_default())
+}
+
+/// Zeroes this database's stage_e_throttle_counter row and its pending counts. Restricted.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_reset_stats() {
+    slots::ready().unwrap_or_else(|e| raise(e));
+    let dropped = flush::flush(Write::Reset, true)
+        .unwrap_or_else(|e| raise_flush(e))
+        .unwrap_or_default();
+    log!(
+        "stage_e_slots: counters of database \"{}\" reset by role \"{}\" (table zeroed, {} pending throttles dropped)",
+        current_database(),
+        current_role(),
+        dropped.throttled
+    );
+}
+
+/// Counts not yet flushed. `row_flush_id` is the flush_id of the row the caller read (the view
+/// passes it) so that a flush committing at that moment is not counted twice.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_pending(
+    row_flush_id: default!(Option<i64>, "NULL"),
+) -> TableIterator<
+    'static,
+    (
+        name!(acquired, i64),
+        name!(throttled, i64),
+        name!(released, i64),
+        name!(foreign_releases, i64),
+        name!(released_by_exit, i64),
+    ),
+> {
+    counter_row(flush::pending(row_flush_id).unwrap_or_else(|e| raise(e)))
+}
+
+fn current_database() -> String {
+    Spi::get_one::<String>("SELECT pg_catalog.current_database()::text")
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+fn current_role() -> String {
+    Spi::get_one::<String>("SELECT current_user::text")
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+#[derive(Serialize)]
+struct SnapshotConfig {
+    max_slots: u32,
+    lock_key: i32,
+    max_databases: u32,
+    flush_interval_ms: u64,
+}
+
+#[derive(Serialize)]
+struct SnapshotHolder {
+    slot: i32,
+    pid: i32,
+    acquired_at: Option<String>,
+    application_name: Option<String>,
+    state: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Snapshot {
+    database: String,
+    config: SnapshotConfig,
+    /// flushed + pending: what stage_e_throttle_totals shows.
+    totals: CounterValues,
+    flushed: CounterValues,
+    flushed_at: Option<String>,
+    pending: CounterValues,
+    held: u32,
+    holders: Vec<SnapshotHolder>,
+}
+
+/// Configuration, totals, pending counts and current holders as one jsonb document, for
+/// monitoring agents (postgres_exporter custom queries, Grafana).
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_snapshot() -> pgrx::JsonB {
+    let stats = slots::stats().unwrap_or_else(|e| raise(e));
+    let schema = flush::extension_schema().expect("the extension is installed");
+    let (flushed, flushed_at, flush_id) = Spi::connect(|c| {
+        let cols = CounterValues::NAMES.join(", ");
+        let row = c
+            .select(
+                &format!(
+                    "SELECT {cols}, flushed_at::text, flush_id \
+                     FROM {schema}.stage_e_throttle_counter"
+                ),
+                Some(1),
+                &[],
+            )?
+            .first();
+        let mut v = [0u64; 5];
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = row.get::<i64>(i + 1)?.unwrap_or(0) as u64;
+        }
+        Ok::<_, pgrx::spi::Error>((
+            CounterValues::from_array(v),
+            row.get::<String>(6)?,
+            row.get::<i64>(7)?,
+        ))
+    })
+    .unwrap_or_default();
+    let pending = flush::pending(flush_id).unwrap_or_else(|e| raise(e));
+    let holders = Spi::connect(|c| {
+        c.select(
+            &format!(
+                "SELECT slot, pid, acquired_at::text, application_name, state \
+                 FROM {schema}.stage_e_slot_holders"
+            ),
+            None,
+            &[],
+        )?
+        .map(|r| {
+            Ok(SnapshotHolder {
+                slot: r.get::<i32>(1)?.unwrap_or_default(),
+                pid: r.get::<i32>(2)?.unwrap_or_default(),
+                acquired_at: r.get::<String>(3)?,
+                application_name: r.get::<String>(4)?,
+                state: r.get::<String>(5)?,
+            })
+        })
+        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+    })
+    .unwrap_or_default();
+    let snapshot = Snapshot {
+        database: current_database(),
+        config: SnapshotConfig {
+            max_slots: gucs::max_slots(),
+            lock_key: gucs::lock_key(),
+            max_databases: gucs::max_databases(),
+            flush_interval_ms: gucs::flush_interval().as_millis() as u64,
+        },
+        totals: flushed.plus(pending),
+        flushed,
+        flushed_at,
+        pending,
+        held: stats.held,
+        holders,
+    };
+    pgrx::JsonB(serde_json::to_value(snapshot).expect("a snapshot serializes"))
+}
+
+extension_sql!(
+    r#"
+CREATE TABLE stage_e_throttle_counter (
+    id               boolean PRIMARY KEY DEFAULT true CHECK (id),
+    acquired         bigint NOT NULL DEFAULT 0,
+    throttled        bigint NOT NULL DEFAULT 0,
+    released         bigint NOT NULL DEFAULT 0,
+    foreign_releases bigint NOT NULL DEFAULT 0,
+    released_by_exit bigint NOT NULL DEFAULT 0,
+    flushed_at       timestamptz,
+    flush_id         bigint NOT NULL DEFAULT 0
+);
+COMMENT ON TABLE stage_e_throttle_counter IS
+  'Durable stage_e_slots counters of this database: exactly one row, updated once per flush interval.';
+INSERT INTO stage_e_throttle_counter DEFAULT VALUES;
+SELECT pg_catalog.pg_extension_config_dump('stage_e_throttle_counter', '');
+GRANT SELECT ON stage_e_throttle_counter TO PUBLIC;
+
+CREATE VIEW stage_e_throttle_totals AS
+SELECT c.acquired + p.acquired                 AS acquired,
+       c.throttled + p.throttled               AS throttled,
+       c.released + p.released                 AS released,
+       c.foreign_releases + p.foreign_releases AS foreign_releases,
+       c.released_by_exit + p.released_by_exit AS released_by_exit,
+       p.throttled                             AS pending_throttled,
+       c.flushed_at
+  FROM stage_e_throttle_counter AS c
+ CROSS JOIN LATERAL stage_e_pending(c.flush_id) AS p;
+COMMENT ON VIEW stage_e_throttle_totals IS
+  'Exact live totals: the flushed row plus the counts still pending in shared memory.';
+GRANT SELECT ON stage_e_throttle_totals TO PUBLIC;
+
+REVOKE EXECUTE ON FUNCTION stage_e_flush() FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION stage_e_reset_stats() FROM PUBLIC;
+"#,
+    name = "stage_e_throttle_counter",
+    requires = [stage_e_pending, stage_e_flush, stage_e_reset_stats],
 );

@@ -91,7 +91,10 @@ pub fn decode(text: &str) -> Option<Vec<(u32, CounterValues)>> {
             let [db, a, b, c, d, e] = nums[..] else {
                 return None;
             };
-            Some((u32::try_from(db).ok()?, CounterValues::from_array([a, b, c, d, e])))
+            Some((
+                u32::try_from(db).ok()?,
+                CounterValues::from_array([a, b, c, d, e]),
+            ))
         })
         .collect()
 }
@@ -137,7 +140,10 @@ mod unit {
             throttled: 9,
             ..Default::default()
         };
-        let i = CounterValues::NAMES.iter().position(|n| *n == "throttled").unwrap();
+        let i = CounterValues::NAMES
+            .iter()
+            .position(|n| *n == "throttled")
+            .unwrap();
         assert_eq!(v.to_array()[i], 9);
     }
 }

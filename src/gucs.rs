@@ -1,5 +1,6 @@
-//! Configuration. All three settings size or identify shared state, so they are read once at
-//! server start (postmaster context); the prefix is reserved so a typo is an error, not a no-op.
+//! Configuration. The settings that size or identify shared state are read once at server start
+//! (postmaster context); the flush interval follows reloads. The prefix is reserved so a typo is
+//! an error, not a silently ignored placeholder.
 
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 
@@ -9,10 +10,14 @@ pub const DEFAULT_MAX_SLOTS: i32 = 1024;
 pub const MAX_MAX_SLOTS: i32 = 65_536;
 pub const DEFAULT_MAX_DATABASES: i32 = 16;
 pub const MAX_MAX_DATABASES: i32 = 1024;
+pub const DEFAULT_FLUSH_INTERVAL_MS: i32 = 10_000;
+pub const MIN_FLUSH_INTERVAL_MS: i32 = 100;
+pub const MAX_FLUSH_INTERVAL_MS: i32 = 3_600_000;
 
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
 static MAX_DATABASES: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_DATABASES);
+static FLUSH_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_FLUSH_INTERVAL_MS);
 
 pub fn init() {
     GucRegistry::define_int_guc(
@@ -45,6 +50,17 @@ pub fn init() {
         GucContext::Postmaster,
         GucFlags::empty(),
     );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.flush_interval",
+        c"How often counters are added to each database's stage_e_throttle_counter row.",
+        c"One row update per database per interval, whatever the throttle rate. A crash loses \
+          at most the counts of one interval; a clean shutdown loses none.",
+        &FLUSH_INTERVAL_MS,
+        MIN_FLUSH_INTERVAL_MS,
+        MAX_FLUSH_INTERVAL_MS,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
 }
 
 pub fn max_slots() -> u32 {
@@ -57,6 +73,10 @@ pub fn lock_key() -> i32 {
 
 pub fn max_databases() -> u32 {
     MAX_DATABASES.get() as u32
+}
+
+pub fn flush_interval() -> std::time::Duration {
+    std::time::Duration::from_millis(FLUSH_INTERVAL_MS.get() as u64)
 }
 
 /// Makes `SET stage_e_slots.typo = …` an error instead of a silently ignored placeholder.

@@ -4,15 +4,19 @@
 //! or NULL when all are taken; `stage_e_release(slot)` gives it back and proves the caller held it.
 //! Module map: `gucs` (settings), `shmem` (shared state), `occupancy` (slot search, plain Rust),
 //! `locks` (lock manager), `session` (this backend and its exit/transaction hooks),
-//! `slots` (the cap's logic), `api` (the SQL surface).
+//! `slots` (the cap's logic), `counters` and `flush` (durable counts), `worker` (the flush
+//! launcher and flushers), `api` (the SQL surface).
 
 mod api;
+mod counters;
+mod flush;
 mod gucs;
 mod locks;
 mod occupancy;
 mod session;
 mod shmem;
 mod slots;
+mod worker;
 
 use pgrx::prelude::*;
 
@@ -30,6 +34,7 @@ pub extern "C-unwind" fn _PG_init() {
     gucs::init();
     gucs::reserve_prefix();
     shmem::init();
+    worker::register();
 }
 
 #[cfg(any(test, feature = "pg_test"))]
@@ -41,6 +46,9 @@ pub mod pg_test {
     pub fn setup(_options: Vec<&str>) {}
 
     pub fn postgresql_conf_options() -> Vec<&'static str> {
-        vec!["shared_preload_libraries = 'stage_e_slots'"]
+        vec![
+            "shared_preload_libraries = 'stage_e_slots'",
+            "stage_e_slots.flush_interval = 200",
+        ]
     }
 }

@@ -166,7 +166,7 @@ mod tests {
         assert_eq!(bad, Some(0));
         assert_eq!(
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(6)
+            Some(10)
         );
     }
 }

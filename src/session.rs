@@ -6,9 +6,13 @@
 //!   can only be run by the holder itself) are cleared from shared memory;
 //! - at backend exit, held slots are released at once and reported.
 //!
-//! Both are registered lazily on first acquire: `_PG_init` runs in the postmaster, whose exit
+//! The transaction-end hook also settles a counter flush (see `flush`): the pool advances only
+//! if the transaction that wrote the row committed.
+//!
+//! Both are registered lazily on first use: `_PG_init` runs in the postmaster, whose exit
 //! callbacks children discard, and a backend that never takes a slot pays nothing.
 
+use crate::shmem::{FlushState, Pool};
 use pgrx::pg_sys;
 use std::cell::{Cell, RefCell};
 use std::ffi::CStr;
@@ -18,6 +22,8 @@ thread_local! {
     static TRACKED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     static HOOKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
     static RECOVERY_DONE: Cell<bool> = const { Cell::new(false) };
+    /// The flush this transaction is making: the pool and what it read.
+    static FLUSH: RefCell<Option<(Pool, FlushState)>> = const { RefCell::new(None) };
 }
 
 pub fn pid() -> i32 {
@@ -122,19 +128,44 @@ unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
     }
 }
 
+/// Settles `pool`'s flush when this transaction ends.
+pub fn flush_started(pool: Pool, read: FlushState) {
+    ensure_hooks();
+    FLUSH.set(Some((pool, read)));
+}
+
+/// Sleeps `ms` milliseconds, answering a cancel or terminate request.
+pub fn nap_ms(ms: i64) {
+    // SAFETY: plain sleep; CHECK_FOR_INTERRUPTS may raise an ERROR, which pgrx's guard turns
+    // into a Rust panic that unwinds to the SQL function's boundary.
+    unsafe { pg_sys::pg_usleep(ms * 1000) };
+    pgrx::check_for_interrupts!();
+}
+
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn on_xact_end(
     event: pg_sys::XactEvent::Type,
     _arg: *mut std::ffi::c_void,
 ) {
-    let ended = matches!(
-        event,
-        pg_sys::XactEvent::XACT_EVENT_COMMIT
-            | pg_sys::XactEvent::XACT_EVENT_ABORT
-            | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT
-            | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT
-    );
-    if ended && tracks_any() {
+    use pg_sys::XactEvent::*;
+    match event {
+        // The pool would have to follow a commit made later by another session.
+        XACT_EVENT_PRE_PREPARE if FLUSH.with_borrow(Option::is_some) => {
+            pgrx::error!("cannot PREPARE a transaction that flushed stage_e_slots counters")
+        }
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
+            if let Some((pool, read)) = FLUSH.take() {
+                pool.commit_flush(&read);
+            }
+        }
+        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => {
+            if let Some((pool, _)) = FLUSH.take() {
+                pool.abort_flush();
+            }
+        }
+        _ => return,
+    }
+    if tracks_any() && !matches!(event, XACT_EVENT_PRE_PREPARE) {
         crate::slots::reconcile();
     }
 }

@@ -10,6 +10,7 @@
 //! A pool is keyed by database OID today. Named caps will key pools by (database, name) and add
 //! entries to the same directory; nothing below assumes one pool per database beyond the key.
 
+use crate::counters::{self, CounterValues};
 use crate::gucs;
 use crate::occupancy;
 use pgrx::pg_sys;
@@ -25,8 +26,8 @@ struct Header {
     _pad: u32,
 }
 
-/// Counted since server start, per pool. Incremented with relaxed atomics: each is an
-/// independent tally, read only for reporting.
+/// A set of counters, one per column of `stage_e_stats()`. Incremented with relaxed atomics:
+/// each is an independent monotonic tally, read only for reporting and flushing.
 #[repr(C)]
 #[derive(Default)]
 pub struct Counters {
@@ -41,14 +42,69 @@ impl Counters {
     pub fn bump(counter: &AtomicU64, by: u64) {
         counter.fetch_add(by, Ordering::Relaxed);
     }
+
+    fn cells(&self) -> [&AtomicU64; 5] {
+        [
+            &self.acquired,
+            &self.throttled,
+            &self.released,
+            &self.foreign_releases,
+            &self.released_by_exit,
+        ]
+    }
+
+    pub fn load(&self) -> CounterValues {
+        CounterValues::from_array(self.cells().map(|c| c.load(Ordering::Relaxed)))
+    }
+
+    fn store(&self, v: CounterValues) {
+        for (c, x) in self.cells().into_iter().zip(v.to_array()) {
+            c.store(x, Ordering::Relaxed);
+        }
+    }
 }
 
 #[repr(C)]
 struct PoolHeader {
     /// 0 = unused. Goes from 0 to a database OID once (CAS) and never back until restart.
     dboid: AtomicU32,
-    _pad: u32,
+    /// Pid of the process whose open transaction is flushing this pool; 0 = none. Only that
+    /// process writes the fields below it, so they need no lock among writers.
+    flusher: AtomicI32,
+    /// Counted since server start (the hot path writes only these).
     counters: Counters,
+    /// Pending counts saved at the last clean shutdown, not yet in the table.
+    carried: Counters,
+    /// Value of `counters` at the last committed flush.
+    flushed: Counters,
+    /// Delta written by the flush in progress, under the id `inflight_id` (0 = none).
+    inflight: Counters,
+    inflight_id: AtomicU64,
+    last_flush_id: AtomicU64,
+    /// Seqlock over carried/flushed/inflight: odd while the flusher updates them.
+    version: AtomicU64,
+}
+
+/// The flush bookkeeping of one pool, read consistently.
+pub struct FlushState {
+    pub counters: CounterValues,
+    pub carried: CounterValues,
+    pub flushed: CounterValues,
+    pub inflight: CounterValues,
+    pub inflight_id: u64,
+}
+
+impl FlushState {
+    /// Counts not yet in the table. `row_flush_id` is the flush id of the table row the caller
+    /// sees: if that row already holds the in-flight delta (committed, not yet acknowledged
+    /// here), it is not counted twice.
+    pub fn pending(&self, row_flush_id: Option<u64>) -> CounterValues {
+        let pending = self.carried.plus(self.counters).minus(self.flushed);
+        match row_flush_id {
+            Some(id) if id != 0 && id == self.inflight_id => pending.minus(self.inflight),
+            _ => pending,
+        }
+    }
 }
 
 /// Who holds a slot through the extension. Written only by the backend whose claim set the
@@ -100,6 +156,104 @@ impl Pool {
     pub fn record(&self, slot: u32) -> &'static SlotRecord {
         &self.records[slot as usize]
     }
+
+    pub fn database(&self) -> u32 {
+        self.header.dboid.load(Ordering::Acquire)
+    }
+
+    pub fn flush_state(&self) -> FlushState {
+        let h = self.header;
+        loop {
+            let before = h.version.load(Ordering::Acquire);
+            if before % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let state = FlushState {
+                counters: h.counters.load(),
+                carried: h.carried.load(),
+                flushed: h.flushed.load(),
+                inflight: h.inflight.load(),
+                inflight_id: h.inflight_id.load(Ordering::Relaxed),
+            };
+            std::sync::atomic::fence(Ordering::Acquire);
+            if h.version.load(Ordering::Relaxed) == before {
+                return state;
+            }
+        }
+    }
+
+    /// Pid of the process flushing this pool now, if any.
+    pub fn flusher(&self) -> Option<i32> {
+        Some(self.header.flusher.load(Ordering::Acquire)).filter(|&p| p != 0)
+    }
+
+    /// Makes `pid` this pool's only flusher; false if another flush is in progress.
+    pub fn try_begin_flush(&self, pid: i32) -> bool {
+        self.header
+            .flusher
+            .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// A unique, increasing id for the next flush (microseconds, bumped past the last id).
+    pub fn next_flush_id(&self, now_us: u64) -> u64 {
+        let last = self.header.last_flush_id.load(Ordering::Relaxed);
+        let id = now_us.max(last + 1);
+        self.header.last_flush_id.store(id, Ordering::Relaxed);
+        id
+    }
+
+    /// Runs `f` on the bookkeeping fields as one seqlock write. Only the flusher calls this.
+    fn write(&self, f: impl FnOnce(&PoolHeader)) {
+        let h = self.header;
+        h.version.fetch_add(1, Ordering::AcqRel);
+        f(h);
+        h.version.fetch_add(1, Ordering::Release);
+    }
+
+    pub fn set_inflight(&self, id: u64, delta: CounterValues) {
+        self.write(|h| {
+            h.inflight.store(delta);
+            h.inflight_id.store(id, Ordering::Relaxed);
+        });
+    }
+
+    /// The flush's transaction committed: what it read is now in the table.
+    pub fn commit_flush(&self, read: &FlushState) {
+        self.write(|h| {
+            h.flushed.store(read.counters);
+            h.carried.store(h.carried.load().minus(read.carried));
+            h.inflight.store(CounterValues::default());
+            h.inflight_id.store(0, Ordering::Relaxed);
+        });
+        self.header.flusher.store(0, Ordering::Release);
+    }
+
+    /// The flush's transaction aborted: its delta is still pending.
+    pub fn abort_flush(&self) {
+        self.write(|h| {
+            h.inflight.store(CounterValues::default());
+            h.inflight_id.store(0, Ordering::Relaxed);
+        });
+        self.header.flusher.store(0, Ordering::Release);
+    }
+
+    /// Counts restored from the pending file of the last clean shutdown.
+    fn carry(&self, v: CounterValues) {
+        self.write(|h| h.carried.store(h.carried.load().plus(v)));
+    }
+}
+
+/// Every pool in use, for the flush launcher and the shutdown file.
+pub fn pools() -> Vec<Pool> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    (0..seg.pools.len())
+        .filter(|&i| seg.pools[i].dboid.load(Ordering::Acquire) != 0)
+        .map(|i| seg.pool_at(i))
+        .collect()
 }
 
 /// Every database entry is taken.
@@ -175,6 +329,61 @@ unsafe extern "C-unwind" fn shmem_startup() {
         }
         pg_sys::LWLockRelease(lock);
         SEGMENT.store(base, Ordering::Release);
+        if !pg_sys::IsUnderPostmaster {
+            // The postmaster (at start and after a crash reset): take back the counts saved at
+            // the last clean shutdown, and save them again at the next one.
+            restore_pending();
+            pg_sys::on_shmem_exit(Some(save_pending), pg_sys::Datum::from(0));
+        }
+    }
+}
+
+/// Pending counts survive a clean shutdown here, in the data directory (the postmaster's
+/// working directory), as pg_stat_statements keeps its dump in pg_stat/.
+const PENDING_FILE: &str = "pg_stat/stage_e_slots.pending";
+
+fn restore_pending() {
+    let Ok(text) = std::fs::read_to_string(PENDING_FILE) else {
+        return;
+    };
+    // Read once: after a crash the file must not be applied a second time.
+    let _ = std::fs::remove_file(PENDING_FILE);
+    let Some(entries) = counters::decode(&text) else {
+        pgrx::log!("stage_e_slots: ignoring {PENDING_FILE}: not in the expected format");
+        return;
+    };
+    for (db, values) in entries {
+        if let Ok(Some(pool)) = pool(pg_sys::Oid::from(db), true) {
+            pool.carry(values);
+        }
+    }
+}
+
+/// Postmaster exit: at a clean shutdown (code 0) every backend and worker is gone, so each
+/// pool's pending counts are final; write them for the next start. A crash (code != 0) writes
+/// nothing: at most one flush interval of counts is lost, as documented.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn save_pending(code: i32, _arg: pg_sys::Datum) {
+    if code != 0 {
+        return;
+    }
+    let pending: Vec<(u32, CounterValues)> = pools()
+        .into_iter()
+        .map(|p| (p.database(), p.flush_state().pending(None)))
+        .filter(|(_, v)| !v.is_zero())
+        .collect();
+    if pending.is_empty() {
+        return;
+    }
+    let tmp = format!("{PENDING_FILE}.tmp");
+    let written = std::fs::write(&tmp, counters::encode(&pending))
+        .and_then(|()| std::fs::rename(&tmp, PENDING_FILE));
+    match written {
+        Ok(()) => pgrx::log!(
+            "stage_e_slots: saved pending counters of {} database(s) to {PENDING_FILE}",
+            pending.len()
+        ),
+        Err(e) => pgrx::warning!("stage_e_slots: could not write {PENDING_FILE}: {e}"),
     }
 }
 

@@ -55,7 +55,7 @@ thread_local! {
 
 /// Refuses to run without the cap's shared state or on a standby (whose locks do not
 /// coordinate with the primary's): fail closed, never an uncapped slot.
-fn ready() -> Result<(), SlotError> {
+pub fn ready() -> Result<(), SlotError> {
     if !shmem::attached() {
         return Err(SlotError::NotPreloaded);
     }
@@ -74,6 +74,14 @@ fn my_pool(create: bool) -> Result<Option<Pool>, SlotError> {
     })?;
     MY_POOL.set(found);
     Ok(found)
+}
+
+/// The current database's pool (created with `create`), for the flush and stats paths.
+pub fn pool_of_this_database(create: bool) -> Result<Option<Pool>, SlotError> {
+    if !shmem::attached() {
+        return Err(SlotError::NotPreloaded);
+    }
+    my_pool(create)
 }
 
 fn pool_for_write() -> Result<Pool, SlotError> {

@@ -132,6 +132,15 @@ def test_hot_standby_refuses_slots():
                 assert "standby" in err.value.diag.message_primary
                 assert "primary" in err.value.diag.message_hint
             assert one(s, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
+            # The flush launcher waits for promotion instead of writing or crash-looping.
+            launcher = ("SELECT count(*) FROM pg_stat_activity "
+                        "WHERE backend_type = 'stage_e_slots launcher'")
+            assert one(s, launcher) == 0
+            assert "stage_e_slots launcher" not in standby.log_text()
+        standby._run(str(bindir() / "pg_ctl"), "-D", str(standby.data), "-w", "promote")
+        with standby.connect() as s:
+            wait_for(lambda: one(s, launcher) == 1, what="the launcher after promotion")
+            assert one(s, "SELECT stage_e_try_slot(8)") == 0
     finally:
         standby.destroy()
         primary.destroy()
