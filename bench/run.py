@@ -186,6 +186,11 @@ def report(r: dict) -> str:
     for name, v, want, ok in targets(r):
         unit = " B" if want.endswith("B") else "x"
         lines.append(f"| {name} | {v:.2f}{unit} | {want} | {'PASS' if ok else 'FAIL'} |")
+    th = r["throttled"]
+    ceiling = th["reference: SELECT 1"] / th["PL/pgSQL loop + counter row n=8"]
+    lines += ["", f"For scale: on this machine `SELECT 1` itself runs {ceiling:.1f}x the counted "
+              f"PL/pgSQL peer, and a throttled stage_e_try_slot(8) runs at "
+              f"{th['stage_e_slots n=8'] / th['reference: SELECT 1']:.0%} of `SELECT 1`."]
     return "\n".join(lines)
 
 
@@ -205,7 +210,8 @@ def plot(r: dict, path: Path) -> None:
     a.set_title("Acquire + release (higher is better)")
     a.legend(fontsize=8)
     th = r["throttled"]
-    colors = ["tab:orange" if k.startswith("stage_e") else "tab:gray" for k in th]
+    colors = ["tab:orange" if k.startswith("stage_e") else
+              "tab:blue" if k.startswith("reference") else "tab:gray" for k in th]
     b.barh(list(th), list(th.values()), color=colors)
     b.invert_yaxis()
     b.set_xscale("log")
