@@ -8,7 +8,7 @@ SUDO_FLAG := $(if $(filter 0,$(shell id -u)),,--sudo)
 
 export PG_CONFIG
 
-.PHONY: deps install install-dev demo bench test test-unit test-pg test-integration lint clean
+.PHONY: deps install install-dev demo demo-django bench test test-unit test-pg test-integration lint clean
 
 deps:
 	@scripts/install-deps.sh
@@ -36,7 +36,7 @@ test-pg:
 	RUST_TEST_THREADS=1 cargo pgrx test $(PG_FEATURE) --runas postgres --pgdata $(PGDATA_TEST)
 
 test-integration: install-dev
-	.venv/bin/python -m pytest tests -v -p no:cacheprovider
+	.venv/bin/python -m pytest tests -v -s -p no:cacheprovider
 
 lint: deps
 	cargo fmt --check
@@ -45,6 +45,10 @@ lint: deps
 clean:
 	cargo clean
 	rm -rf .venv /tmp/stage_e_slots $(PGDATA_TEST)
+
+## The incident replayed with Django + django-q2, then fixed with the dedicated-connection helper.
+demo-django: install
+	.venv/bin/python scripts/demo_django.py
 
 ## Throughput against the peers in bench/ (about 5 minutes); writes bench/results/.
 bench: install

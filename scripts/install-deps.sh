@@ -41,8 +41,8 @@ if ! grep -qs "pg15 = \"$PG_CONFIG\"" "${PGRX_HOME:-$HOME/.pgrx}/config.toml"; t
   cargo pgrx init --pg15 "$PG_CONFIG" >/dev/null
 fi
 
-if [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -c 'import psycopg, pytest, matplotlib' 2>/dev/null; then
-  echo "==> python venv (.venv) with psycopg, pytest and matplotlib"
+if [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -c 'import psycopg, pytest, matplotlib, django, django_q' 2>/dev/null; then
+  echo "==> python venv (.venv) with psycopg, pytest, matplotlib, Django and django-q2"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
 fi

@@ -1,0 +1,51 @@
+"""A minimal Django project replaying the incident: django-q2 with its ORM broker and Django's
+default CONN_MAX_AGE = 0. The database comes from the environment (run_incident.py sets it)."""
+
+import os
+import sys
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+# The dedicated-connection helper lives in examples/python.
+sys.path.insert(0, str(BASE_DIR.parent / "python"))
+
+SECRET_KEY = "stage-e-slots-example-not-secret"
+DEBUG = False
+USE_TZ = True
+INSTALLED_APPS = ["django_q", "dispatch"]
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "HOST": os.environ["CAPDEMO_PGHOST"],
+        "PORT": os.environ["CAPDEMO_PGPORT"],
+        "NAME": os.environ["CAPDEMO_PGDATABASE"],
+        "USER": "postgres",
+        # CONN_MAX_AGE is left at Django's default, 0: a connection is "old" as soon as
+        # anything calls close_old_connections(), as django-q2's ORM broker does on enqueue.
+    }
+}
+
+# The DSN the dedicated-connection helper uses: the same database, its own connection.
+STAGE_E_DSN = (f"host={os.environ['CAPDEMO_PGHOST']} port={os.environ['CAPDEMO_PGPORT']} "
+               f"dbname={os.environ['CAPDEMO_PGDATABASE']} user=postgres")
+STAGE_E_CAP = 7
+
+Q_CLUSTER = {
+    "name": "capdemo",
+    "orm": "default",
+    "workers": int(os.environ.get("CAPDEMO_WORKERS", "8")),
+    "timeout": 60,
+    "retry": 120,
+    "max_attempts": 1,
+    "poll": 0.05,
+    "catch_up": False,
+    "save_limit": 0,
+}
+
+LOGGING = {
+    "version": 1,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"stage_e_slot": {"handlers": ["console"], "level": "WARNING"}},
+}

@@ -1,0 +1,70 @@
+"""The capped dispatch, in the two ways the incident's module held its slot."""
+
+import os
+import time
+
+from django.conf import settings
+from django.db import connection
+
+from stage_e_slot import stage_e_slot
+
+from .models import Evidence, Outcome
+
+REGION_ITEMS = 3
+ITEM_SECONDS = 0.05
+
+
+def follow_on(evidence_id):
+    """The follow-on task the post_save receiver enqueues; its content does not matter."""
+    return evidence_id
+
+
+def _region(batch):
+    """The capped work: persist evidence (each row's post_save enqueues a task)."""
+    start = time.time()
+    for item in range(REGION_ITEMS):
+        Evidence.objects.create(batch=batch, item=item)
+        time.sleep(ITEM_SECONDS)
+    return start, time.time()
+
+
+def _log(batch, mode, slot, region=None):
+    start, end = region or (None, None)
+    Outcome.objects.create(batch=batch, mode=mode, outcome="ran" if region else "throttled",
+                           slot=slot, worker_pid=os.getpid(), region_start=start,
+                           region_end=end)
+
+
+def dispatch_micro_batch(batch, mode):
+    if mode == "shared":
+        return _dispatch_on_django_connection(batch)
+    return _dispatch_on_dedicated_connection(batch)
+
+
+def _dispatch_on_django_connection(batch):
+    """The original bug: the slot lives on django.db.connection, which the broker closes."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT stage_e_try_slot(%s)", [settings.STAGE_E_CAP])
+        slot = cur.fetchone()[0]
+    if slot is None:
+        _log(batch, "shared", None)
+        return "throttled"
+    try:
+        region = _region(batch)
+    finally:
+        # By now Django may have reconnected: this runs on another session.
+        with connection.cursor() as cur:
+            cur.execute("SELECT stage_e_release(%s)", [slot])
+    _log(batch, "shared", slot, region)
+    return "ran"
+
+
+def _dispatch_on_dedicated_connection(batch):
+    """The fix: the helper holds the slot on a connection nothing else touches."""
+    with stage_e_slot(settings.STAGE_E_DSN, n=settings.STAGE_E_CAP) as slot:
+        if slot is None:
+            _log(batch, "dedicated", None)
+            return "throttled"
+        region = _region(batch)
+    _log(batch, "dedicated", slot, region)
+    return "ran"

@@ -1,0 +1,128 @@
+"""Replays the incident against a database with stage_e_slots, in one of two modes:
+
+  shared     the slot is held on django.db.connection (the original bug)
+  dedicated  the slot is held through examples/python/stage_e_slot.py (the fix)
+
+It migrates, enqueues TASKS capped dispatches, runs a real django-q2 cluster (ORM broker,
+CONN_MAX_AGE = 0, 8 workers, cap 7) until all are done, samples pg_locks throughout, and prints
+a JSON summary. Usage: run_incident.py MODE HOST PORT DBNAME [TASKS]
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+HERE = Path(__file__).resolve().parent
+KEY = 20260725
+CAP = 7
+
+
+def manage(env, *args, **kw):
+    return subprocess.run([sys.executable, str(HERE / "manage.py"), *args], env=env,
+                          cwd=HERE, check=True, capture_output=True, text=True, **kw)
+
+
+def counters(conn):
+    cur = conn.execute("SELECT throttled, released_by_exit, foreign_releases, acquired "
+                       "FROM stage_e_throttle_totals")
+    return dict(zip([d.name for d in cur.description], cur.fetchone()))
+
+
+def max_overlap(regions):
+    """Most regions in progress at one instant (starts and ends swept in time order)."""
+    events = sorted([(s, 1) for s, _ in regions] + [(e, -1) for _, e in regions])
+    best = cur = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def main():
+    mode, host, port, dbname = sys.argv[1:5]
+    tasks = int(sys.argv[5]) if len(sys.argv) > 5 else 48
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="capdemo.settings", CAPDEMO_PGHOST=host,
+               CAPDEMO_PGPORT=port, CAPDEMO_PGDATABASE=dbname, PYTHONUNBUFFERED="1")
+    dsn = f"host={host} port={port} dbname={dbname} user=postgres application_name=observer"
+    manage(env, "migrate", "--noinput")
+
+    observer = psycopg.connect(dsn, autocommit=True)
+    observer.execute("TRUNCATE dispatch_outcome, dispatch_evidence, django_q_ormq, django_q_task")
+    before = counters(observer)
+
+    # Enqueue every dispatch first, so that the workers start together and contend.
+    enqueue = (f"from django_q.tasks import async_task\n"
+               f"for b in range({tasks}): async_task('dispatch.tasks.dispatch_micro_batch', b, "
+               f"'{mode}')\n")
+    manage(env, "shell", "-c", enqueue)
+
+    samples, worst, stop = [0], [0], threading.Event()
+
+    def sample():
+        with psycopg.connect(dsn, autocommit=True) as c:
+            while not stop.is_set():
+                n = c.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                              "AND classid = %s AND objsubid = 2 AND granted AND database = "
+                              "(SELECT oid FROM pg_database WHERE datname = current_database())",
+                              (KEY,)).fetchone()[0]
+                samples[0] += 1
+                worst[0] = max(worst[0], n)
+                time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    started = time.monotonic()
+    cluster = subprocess.Popen([sys.executable, str(HERE / "manage.py"), "qcluster"], env=env,
+                               cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while observer.execute("SELECT count(*) FROM dispatch_outcome").fetchone()[0] < tasks:
+            if time.monotonic() > deadline or cluster.poll() is not None:
+                raise SystemExit(f"dispatches did not finish:\n{cluster.stdout.read()}")
+            time.sleep(0.05)
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        sampler.join()
+        os.killpg(cluster.pid, signal.SIGTERM)
+        try:
+            cluster.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # every dispatch is done: no need to wait politely
+            os.killpg(cluster.pid, signal.SIGKILL)
+            cluster.wait()
+
+    time.sleep(0.3)  # let exiting backends settle their slots
+    after = counters(observer)
+    rows = observer.execute("SELECT outcome, region_start, region_end FROM dispatch_outcome"
+                            ).fetchall()
+    regions = [(s, e) for o, s, e in rows if o == "ran"]
+    logged_throttles = sum(1 for o, _, _ in rows if o == "throttled")
+    summary = {
+        "mode": mode,
+        "workers": 8,
+        "cap": CAP,
+        "dispatches": tasks,
+        "ran": len(regions),
+        "throttled_logged_by_workers": logged_throttles,
+        "throttled_counted_by_extension": after["throttled"] - before["throttled"],
+        "max_concurrent_slot_holders_in_pg_locks": worst[0],
+        "pg_locks_samples": samples[0],
+        "max_concurrent_capped_regions": max_overlap(regions),
+        "released_by_exit": after["released_by_exit"] - before["released_by_exit"],
+        "foreign_releases": after["foreign_releases"] - before["foreign_releases"],
+        "seconds": round(elapsed, 1),
+    }
+    observer.close()
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
