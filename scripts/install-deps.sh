@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs what building, testing and demonstrating stage_e_slots needs, skipping what is there:
 # Debian packages (PostgreSQL 15 and its headers, clang for bindgen, sudo for pgrx's --runas),
-# cargo-pgrx 0.18.1, `cargo pgrx init` against the Debian PostgreSQL, and a Python venv with
-# psycopg and pytest. As a non-root user it only lists what is missing.
+# cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major in use, and a Python venv with
+# psycopg, pytest, matplotlib, Django and django-q2. As a non-root user it only lists what is
+# missing. Usage: install-deps.sh [MAJOR [PG_CONFIG]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/15/bin/pg_config}
+MAJOR=${1:-15}
+PG15_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+PG_CONFIG=${2:-$PG15_CONFIG}
 PGRX_VERSION=0.18.1
 PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3-venv)
 
@@ -36,9 +39,14 @@ if ! cargo pgrx --version 2>/dev/null | grep -q " $PGRX_VERSION"; then
   cargo install cargo-pgrx --version "$PGRX_VERSION" --locked --quiet
 fi
 
-if ! grep -qs "pg15 = \"$PG_CONFIG\"" "${PGRX_HOME:-$HOME/.pgrx}/config.toml"; then
-  echo "==> cargo pgrx init --pg15 $PG_CONFIG"
-  cargo pgrx init --pg15 "$PG_CONFIG" >/dev/null
+# pgrx needs every major it builds for in its config.toml; init rewrites the file, so name
+# Debian's 15 and the one asked for.
+config="${PGRX_HOME:-$HOME/.pgrx}/config.toml"
+if ! grep -qs "pg$MAJOR = \"$PG_CONFIG\"" "$config"; then
+  args=(--pg15 "$PG15_CONFIG")
+  [ "$MAJOR" != 15 ] && args+=("--pg$MAJOR" "$PG_CONFIG")
+  echo "==> cargo pgrx init ${args[*]}"
+  cargo pgrx init "${args[@]}" >/dev/null
 fi
 
 if [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -c 'import psycopg, pytest, matplotlib, django, django_q' 2>/dev/null; then

@@ -144,3 +144,15 @@ def test_hot_standby_refuses_slots():
     finally:
         standby.destroy()
         primary.destroy()
+
+
+def test_the_suite_runs_on_the_major_pg_config_names(cluster):
+    """`make test PG=18` must really test 18: the cluster is the one PG_CONFIG names."""
+    import re
+    import subprocess
+
+    from pgcluster import PG_CONFIG
+    want = re.search(r"(\d+)", subprocess.check_output([PG_CONFIG, "--version"], text=True))
+    got = int(cluster.sql("SHOW server_version_num")[0][0]) // 10000
+    print(f"\nPostgreSQL {got} from {PG_CONFIG}")
+    assert got == int(want.group(1))
