@@ -161,15 +161,8 @@ fn stage_e_stats() -> TableIterator<
     ),
 > {
     let s = slots::stats().unwrap_or_else(|e| raise(e));
-    TableIterator::once((
-        s.max_slots as i32,
-        s.held as i32,
-        s.acquired as i64,
-        s.throttled as i64,
-        s.released as i64,
-        s.foreign_releases as i64,
-        s.released_by_exit as i64,
-    ))
+    let [a, t, r, f, x] = s.counts.to_array().map(|v| v as i64);
+    TableIterator::once((s.max_slots as i32, s.held as i32, a, t, r, f, x))
 }
 
 /// Held slots of the current database (lock manager truth); the view below adds session columns.
@@ -223,8 +216,8 @@ type CounterRow = (
 );
 
 fn counter_row(v: CounterValues) -> TableIterator<'static, CounterRow> {
-    let a = v.to_array().map(|x| x as i64);
-    TableIterator::once((a[0], a[1], a[2], a[3], a[4]))
+    let [a, t, r, f, x] = v.to_array().map(|v| v as i64);
+    TableIterator::once((a, t, r, f, x))
 }
 
 /// Adds this database's pending counts to stage_e_throttle_counter now; returns what it added.

@@ -9,6 +9,7 @@
 //!   probing it), and cleared only by that backend: on release, at transaction end if the lock
 //!   vanished, at exit. So a set bit never outlives its lock past the holder's transaction.
 
+use crate::counters::CounterValues;
 use crate::gucs;
 use crate::locks::{self, Probe};
 use crate::occupancy;
@@ -34,11 +35,7 @@ pub enum Release {
 pub struct Stats {
     pub max_slots: u32,
     pub held: u32,
-    pub acquired: u64,
-    pub throttled: u64,
-    pub released: u64,
-    pub foreign_releases: u64,
-    pub released_by_exit: u64,
+    pub counts: CounterValues,
 }
 
 pub struct Holder {
@@ -262,33 +259,21 @@ pub fn release_on_exit() {
 
 /// `stage_e_stats()` for the current database. `held` comes from the lock manager.
 pub fn stats() -> Result<Stats, SlotError> {
-    if !shmem::attached() {
-        return Err(SlotError::NotPreloaded);
-    }
+    let counts = pool_of_this_database(false)?
+        .map(|p| p.counters().load())
+        .unwrap_or_default();
     let max_slots = gucs::max_slots();
-    let held = locks::granted_holders(max_slots).len() as u32;
-    let c = my_pool(false)?.map(|p| p.counters());
-    let read = |f: fn(&Counters) -> &std::sync::atomic::AtomicU64| {
-        c.map_or(0, |c| f(c).load(std::sync::atomic::Ordering::Relaxed))
-    };
     Ok(Stats {
         max_slots,
-        held,
-        acquired: read(|c| &c.acquired),
-        throttled: read(|c| &c.throttled),
-        released: read(|c| &c.released),
-        foreign_releases: read(|c| &c.foreign_releases),
-        released_by_exit: read(|c| &c.released_by_exit),
+        held: locks::granted_holders(max_slots).len() as u32,
+        counts,
     })
 }
 
 /// Held slots of the current database per the lock manager, with the acquisition time where
 /// the extension recorded it.
 pub fn holders() -> Result<Vec<Holder>, SlotError> {
-    if !shmem::attached() {
-        return Err(SlotError::NotPreloaded);
-    }
-    let pool = my_pool(false)?;
+    let pool = pool_of_this_database(false)?;
     Ok(locks::granted_holders(gucs::max_slots())
         .into_iter()
         .map(|(slot, pid)| {

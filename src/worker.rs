@@ -12,7 +12,7 @@
 
 use crate::flush::{self, Write};
 use crate::gucs;
-use crate::shmem::{self, Pool};
+use crate::shmem;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
@@ -143,7 +143,6 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
 /// nowhere to go.
 fn drop_orphaned(db: pg_sys::Oid) {
     if let Ok(Some(pool)) = crate::slots::pool_of_this_database(false) {
-        let pool: Pool = pool;
         if flush::discard_pending(pool) {
             log!(
                 "stage_e_slots: dropped pending counters of database {}, which no longer has the extension",
