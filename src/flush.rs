@@ -56,7 +56,7 @@ pub fn flush(write: Write, wait: bool) -> Result<Option<CounterValues>, FlushErr
     let Some(schema) = extension_schema() else {
         return Ok(None);
     };
-    let Some(pool) = slots::pool_of_this_database(write == Write::Add)? else {
+    let Some(pool) = slots::pool_of_this_database(false)? else {
         // No activity since server start: nothing is pending. A reset still zeroes the row.
         if write == Write::Reset {
             upsert(&schema, write, CounterValues::default(), 0);

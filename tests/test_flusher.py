@@ -303,3 +303,12 @@ def test_crash_loses_at_most_one_interval():
         assert 140 - after["throttled"] <= 40, "lost more than the last interval's counts"
     finally:
         c.destroy()
+
+
+def test_flush_and_reset_in_a_database_without_activity(fc):
+    db = fc.create_database("f_idle")
+    with fc.connect(db) as c:
+        assert c.execute("SELECT * FROM stage_e_flush()").fetchone() == (0, 0, 0, 0, 0)
+        c.execute("SELECT stage_e_reset_stats()")
+        assert [row(c)[k] for k in COLS] == [0] * 5
+        assert totals(c)["throttled"] == 0
