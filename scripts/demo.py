@@ -71,6 +71,12 @@ def main():
         print(f"  the freed slot goes to the next worker at once: stage_e_try_slot(8) -> {retry}")
 
         show("SELECT * FROM stage_e_stats()", admin.execute("SELECT * FROM stage_e_stats()"))
+        admin.execute("SELECT stage_e_flush()")
+        show("After SELECT stage_e_flush(): SELECT throttled, foreign_releases, "
+             "released_by_exit, flushed_at FROM stage_e_throttle_counter",
+             admin.execute("SELECT throttled, foreign_releases, released_by_exit, "
+                           "date_trunc('seconds', flushed_at) AS flushed_at "
+                           "FROM stage_e_throttle_counter"))
         for c in workers:
             if not c.closed:
                 c.close()
