@@ -117,10 +117,26 @@ pub fn try_slot(n: Option<i32>) -> Result<Option<u32>, SlotError> {
     let n = check_cap(n)?;
     let pool = pool_for_write()?;
     session::ensure_hooks();
-    // This session may have dropped a slot's lock behind our back earlier in this very
-    // transaction: clear such slots first so they are not counted against the cap.
-    reconcile_with(pool);
     let counters = pool.counters();
+    if let Some(slot) = search(pool, n) {
+        Counters::bump(&counters.acquired, 1);
+        return Ok(Some(slot));
+    }
+    // Before saying "throttled": this session may have dropped one of its own slots' locks
+    // earlier in this very transaction (transaction end would clear it). Clear such slots now
+    // and look once more; a session holding no slot skips this.
+    if session::tracks_any() && reconcile_with(pool) > 0 {
+        if let Some(slot) = search(pool, n) {
+            Counters::bump(&counters.acquired, 1);
+            return Ok(Some(slot));
+        }
+    }
+    Counters::bump(&counters.throttled, 1);
+    Ok(None)
+}
+
+/// Takes the lowest slot of `[0, n)` that is clear in the bitmap and free in the lock manager.
+fn search(pool: Pool, n: u32) -> Option<u32> {
     let mut from = 0;
     while let Some(claim) = occupancy::claim_first_free(pool.bits(), from, n) {
         let slot = claim.slot();
@@ -129,8 +145,7 @@ pub fn try_slot(n: Option<i32>) -> Result<Option<u32>, SlotError> {
                 pool.record(slot)
                     .set(session::pid(), session::statement_start());
                 session::track(slot);
-                Counters::bump(&counters.acquired, 1);
-                return Ok(Some(claim.keep()));
+                return Some(claim.keep());
             }
             // Held by this very session through a raw advisory lock: giving it out again would
             // count one lock twice. Undo the re-entrant count and look further.
@@ -142,8 +157,7 @@ pub fn try_slot(n: Option<i32>) -> Result<Option<u32>, SlotError> {
         }
         from = slot + 1; // dropping `claim` clears the bit
     }
-    Counters::bump(&counters.throttled, 1);
-    Ok(None)
+    None
 }
 
 /// `stage_e_release(slot)`: releases the slot if this session holds it; otherwise changes
@@ -221,14 +235,14 @@ pub fn reconcile() {
     }
 }
 
-/// Clears this backend's tracked slots whose lock it no longer holds (a local lookup each).
-fn reconcile_with(pool: Pool) {
-    if !session::tracks_any() {
-        return;
-    }
-    for slot in session::tracked_where(|s| !locks::held_by_me(s)) {
+/// Clears this backend's tracked slots whose lock it no longer holds (a local lookup each);
+/// returns how many.
+fn reconcile_with(pool: Pool) -> usize {
+    let gone = session::tracked_where(|s| !locks::held_by_me(s));
+    for &slot in &gone {
         lost(pool, slot);
     }
+    gone.len()
 }
 
 /// Backend exit (disconnect, pg_terminate_backend, client killed): release held slots now,
