@@ -20,8 +20,8 @@ PG_CONFIG = os.environ.get("PG_CONFIG", "/usr/lib/postgresql/15/bin/pg_config")
 ROOT = Path(os.environ.get("STAGE_E_CLUSTERS", "/tmp/stage_e_slots"))
 
 
-def bindir() -> Path:
-    return Path(subprocess.check_output([PG_CONFIG, "--bindir"], text=True).strip())
+def bindir(pg_config: str = PG_CONFIG) -> Path:
+    return Path(subprocess.check_output([pg_config, "--bindir"], text=True).strip())
 
 
 def _as_owner() -> list[str]:
@@ -31,9 +31,11 @@ def _as_owner() -> list[str]:
 class Cluster:
     """One data directory, its socket folder and its log, with start/stop helpers."""
 
-    def __init__(self, name: str, settings: dict[str, object] | None = None, port: int = 5433):
+    def __init__(self, name: str, settings: dict[str, object] | None = None, port: int = 5433,
+                 pg_config: str = PG_CONFIG):
         self.name = name
         self.port = port
+        self.bin = bindir(pg_config)
         self.base = ROOT / f"{name}-{os.getpid()}"
         self.data = self.base / "data"
         self.log = self.base / "server.log"
@@ -61,7 +63,7 @@ class Cluster:
             pw = pwd.getpwnam("postgres")
             ROOT.chmod(0o1777)
             os.chown(self.base, pw.pw_uid, pw.pw_gid)
-        self._run(str(bindir() / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+        self._run(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
                   "--no-sync")
         self.write_settings()
         return self
@@ -81,13 +83,15 @@ class Cluster:
             pw = pwd.getpwnam("postgres")
             os.chown(conf, pw.pw_uid, pw.pw_gid)
 
-    def start(self) -> "Cluster":
-        self._run(str(bindir() / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-w",
-                  "-t", "60", "start")
+    def start(self, env: dict[str, str] | None = None) -> "Cluster":
+        """Starts the server; `env` adds variables to its environment."""
+        extra = [f"{k}={v}" for k, v in (env or {}).items()]
+        self._run(*(["env", *extra] if extra else []), str(self.bin / "pg_ctl"), "-D",
+                  str(self.data), "-l", str(self.log), "-w", "-t", "60", "start")
         return self
 
     def stop(self, mode: str = "fast") -> None:
-        self._run(str(bindir() / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop",
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop",
                   check=False)
 
     def destroy(self) -> None:
@@ -95,13 +99,15 @@ class Cluster:
         shutil.rmtree(self.base, ignore_errors=True)
 
     # -- sessions ------------------------------------------------------------------------
-    def conninfo(self, dbname: str = "postgres", application_name: str = "stage_e_test") -> str:
-        return (f"host={self.base} port={self.port} user=postgres dbname={dbname} "
+    def conninfo(self, dbname: str = "postgres", application_name: str = "stage_e_test",
+                 user: str = "postgres") -> str:
+        return (f"host={self.base} port={self.port} user={user} dbname={dbname} "
                 f"application_name={application_name}")
 
     def connect(self, dbname: str = "postgres", application_name: str = "stage_e_test",
-                **kw) -> psycopg.Connection:
-        return psycopg.connect(self.conninfo(dbname, application_name), autocommit=True, **kw)
+                user: str = "postgres", **kw) -> psycopg.Connection:
+        return psycopg.connect(self.conninfo(dbname, application_name, user), autocommit=True,
+                               **kw)
 
     def sql(self, query: str, dbname: str = "postgres", params=None):
         with self.connect(dbname) as c:

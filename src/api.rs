@@ -7,6 +7,7 @@ use crate::counters::CounterValues;
 use crate::flush::{self, FlushError, Write};
 use crate::gucs;
 use crate::slots::{self, Release, SlotError};
+use crate::sql;
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
@@ -36,6 +37,16 @@ fn raise(e: SlotError) -> ! {
              not bind."
                 .to_string(),
             "Take and release slots on the primary.".to_string(),
+        ),
+        SlotError::ParallelMode => (
+            PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
+            "stage_e_slots cannot be used during a parallel operation".to_string(),
+            "A slot is a session lock: one taken in a parallel worker would end with the worker, \
+             and the leader would not hold it."
+                .to_string(),
+            "Call the stage_e_slots functions outside parallel queries: do not wrap them in \
+             functions marked PARALLEL SAFE or RESTRICTED."
+                .to_string(),
         ),
         SlotError::NullArgument { name } => (
             PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
@@ -79,6 +90,16 @@ fn raise(e: SlotError) -> ! {
 fn raise_flush(e: FlushError) -> ! {
     match e {
         FlushError::Slots(e) => raise(e),
+        FlushError::Spi(e) => {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+                format!("stage_e_slots could not write the counter row: {e}"),
+                "stage_e_slots",
+            )
+            .set_detail("The counts stay pending and are written by the next flush.")
+            .report(PgLogLevel::ERROR);
+            unreachable!("ereport(ERROR) does not return")
+        }
         FlushError::Busy | FlushError::AgainInThisTransaction => {
             ErrorReport::new(
                 PgSqlErrorCode::ERRCODE_OBJECT_IN_USE,
@@ -190,12 +211,12 @@ CREATE VIEW stage_e_slot_holders AS
 SELECT h.slot,
        h.pid,
        h.acquired_at,
-       pg_catalog.clock_timestamp() - h.acquired_at AS held_for,
+       pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) h.acquired_at AS held_for,
        a.application_name,
        a.client_addr,
        a.state
-  FROM stage_e_slot_holders_internal() AS h
-  LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = h.pid
+  FROM @extschema@.stage_e_slot_holders_internal() AS h
+  LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid OPERATOR(pg_catalog.=) h.pid
  ORDER BY h.slot;
 COMMENT ON VIEW stage_e_slot_holders IS
   'One row per held slot in the current database, from the lock manager, with the holder''s session.';
@@ -247,8 +268,8 @@ fn stage_e_reset_stats() {
         .unwrap_or_default();
     log!(
         "stage_e_slots: counters of database \"{}\" reset by role \"{}\" (table zeroed, {} pending throttles dropped)",
-        current_database(),
-        current_role(),
+        sql::current_database(),
+        sql::current_role(),
         dropped.throttled
     );
 }
@@ -269,20 +290,6 @@ fn stage_e_pending(
     ),
 > {
     counter_row(flush::pending(row_flush_id).unwrap_or_else(|e| raise(e)))
-}
-
-fn current_database() -> String {
-    Spi::get_one::<String>("SELECT pg_catalog.current_database()::text")
-        .ok()
-        .flatten()
-        .unwrap_or_default()
-}
-
-fn current_role() -> String {
-    Spi::get_one::<String>("SELECT current_user::text")
-        .ok()
-        .flatten()
-        .unwrap_or_default()
 }
 
 #[derive(Serialize)]
@@ -320,54 +327,60 @@ struct Snapshot {
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_snapshot() -> pgrx::JsonB {
     let stats = slots::stats().unwrap_or_else(|e| raise(e));
-    let schema = flush::extension_schema().expect("the extension is installed");
-    let (flushed, flushed_at, flush_id) = Spi::connect(|c| {
+    let Some(schema) = sql::extension_schema() else {
+        raise_not_installed()
+    };
+    // Read-only statements (no transaction id): this works on a standby and in a READ ONLY
+    // transaction, like the views.
+    let read = sql::read(|c| {
         let cols = CounterValues::NAMES.join(", ");
-        let row = c
+        let rows = c.select(
+            &format!(
+                "SELECT {cols}, flushed_at::pg_catalog.text, flush_id \
+                   FROM {schema}.stage_e_throttle_counter"
+            ),
+            Some(1),
+            &[],
+        )?;
+        let (flushed, flushed_at, flush_id) = match rows.into_iter().next() {
+            None => (CounterValues::default(), None, None),
+            Some(row) => {
+                let mut v = [0u64; 5];
+                for (i, x) in v.iter_mut().enumerate() {
+                    *x = row.get::<i64>(i + 1)?.unwrap_or(0) as u64;
+                }
+                (
+                    CounterValues::from_array(v),
+                    row.get::<String>(6)?,
+                    row.get::<i64>(7)?,
+                )
+            }
+        };
+        let holders = c
             .select(
                 &format!(
-                    "SELECT {cols}, flushed_at::text, flush_id \
-                     FROM {schema}.stage_e_throttle_counter"
+                    "SELECT slot, pid, acquired_at::pg_catalog.text, application_name, \
+                            state FROM {schema}.stage_e_slot_holders"
                 ),
-                Some(1),
+                None,
                 &[],
             )?
-            .first();
-        let mut v = [0u64; 5];
-        for (i, x) in v.iter_mut().enumerate() {
-            *x = row.get::<i64>(i + 1)?.unwrap_or(0) as u64;
-        }
-        Ok::<_, pgrx::spi::Error>((
-            CounterValues::from_array(v),
-            row.get::<String>(6)?,
-            row.get::<i64>(7)?,
-        ))
-    })
-    .unwrap_or_default();
-    let pending = flush::pending(flush_id).unwrap_or_else(|e| raise(e));
-    let holders = Spi::connect(|c| {
-        c.select(
-            &format!(
-                "SELECT slot, pid, acquired_at::text, application_name, state \
-                 FROM {schema}.stage_e_slot_holders"
-            ),
-            None,
-            &[],
-        )?
-        .map(|r| {
-            Ok(SnapshotHolder {
-                slot: r.get::<i32>(1)?.unwrap_or_default(),
-                pid: r.get::<i32>(2)?.unwrap_or_default(),
-                acquired_at: r.get::<String>(3)?,
-                application_name: r.get::<String>(4)?,
-                state: r.get::<String>(5)?,
+            .map(|r| {
+                Ok(SnapshotHolder {
+                    slot: r.get::<i32>(1)?.unwrap_or_default(),
+                    pid: r.get::<i32>(2)?.unwrap_or_default(),
+                    acquired_at: r.get::<String>(3)?,
+                    application_name: r.get::<String>(4)?,
+                    state: r.get::<String>(5)?,
+                })
             })
-        })
-        .collect::<Result<Vec<_>, pgrx::spi::Error>>()
-    })
-    .unwrap_or_default();
+            .collect::<Result<Vec<_>, pgrx::spi::Error>>()?;
+        Ok((flushed, flushed_at, flush_id, holders))
+    });
+    let (flushed, flushed_at, flush_id, holders) = read.unwrap_or_else(|e| raise_spi(e));
+    let pending = flush::pending(flush_id).unwrap_or_else(|e| raise(e));
     let snapshot = Snapshot {
-        database: current_database(),
+        database: sql::current_database(),
         config: SnapshotConfig {
             max_slots: gucs::max_slots(),
             lock_key: gucs::lock_key(),
@@ -381,7 +394,35 @@ fn stage_e_snapshot() -> pgrx::JsonB {
         held: stats.held,
         holders,
     };
-    pgrx::JsonB(serde_json::to_value(snapshot).expect("a snapshot serializes"))
+    match serde_json::to_value(snapshot) {
+        Ok(v) => pgrx::JsonB(v),
+        Err(e) => raise_spi_text(format!("could not build the snapshot: {e}")),
+    }
+}
+
+fn raise_not_installed() -> ! {
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
+        "extension \"stage_e_slots\" is not installed in this database",
+        "stage_e_slots",
+    )
+    .set_hint("CREATE EXTENSION stage_e_slots;")
+    .report(PgLogLevel::ERROR);
+    unreachable!("ereport(ERROR) does not return")
+}
+
+fn raise_spi(e: pgrx::spi::Error) -> ! {
+    raise_spi_text(format!("stage_e_slots could not read its tables: {e}"))
+}
+
+fn raise_spi_text(message: String) -> ! {
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        message,
+        "stage_e_slots",
+    )
+    .report(PgLogLevel::ERROR);
+    unreachable!("ereport(ERROR) does not return")
 }
 
 extension_sql!(
@@ -397,21 +438,23 @@ CREATE TABLE stage_e_throttle_counter (
     flush_id         bigint NOT NULL DEFAULT 0
 );
 COMMENT ON TABLE stage_e_throttle_counter IS
-  'Durable stage_e_slots counters of this database: exactly one row, updated once per flush interval.';
-INSERT INTO stage_e_throttle_counter DEFAULT VALUES;
+  'Durable stage_e_slots counters of this database: one row, written by the first flush and added to once per flush interval.';
+-- No row is inserted here: pg_dump keeps the table's data, and a restore (which runs
+-- CREATE EXTENSION first) must find the table empty. The first flush inserts the row.
 SELECT pg_catalog.pg_extension_config_dump('stage_e_throttle_counter', '');
 GRANT SELECT ON stage_e_throttle_counter TO PUBLIC;
 
 CREATE VIEW stage_e_throttle_totals AS
-SELECT c.acquired + p.acquired                 AS acquired,
-       c.throttled + p.throttled               AS throttled,
-       c.released + p.released                 AS released,
-       c.foreign_releases + p.foreign_releases AS foreign_releases,
-       c.released_by_exit + p.released_by_exit AS released_by_exit,
-       p.throttled                             AS pending_throttled,
+SELECT COALESCE(c.acquired, 0) OPERATOR(pg_catalog.+) p.acquired                 AS acquired,
+       COALESCE(c.throttled, 0) OPERATOR(pg_catalog.+) p.throttled               AS throttled,
+       COALESCE(c.released, 0) OPERATOR(pg_catalog.+) p.released                 AS released,
+       COALESCE(c.foreign_releases, 0) OPERATOR(pg_catalog.+) p.foreign_releases AS foreign_releases,
+       COALESCE(c.released_by_exit, 0) OPERATOR(pg_catalog.+) p.released_by_exit AS released_by_exit,
+       p.throttled                                                               AS pending_throttled,
        c.flushed_at
-  FROM stage_e_throttle_counter AS c
- CROSS JOIN LATERAL stage_e_pending(c.flush_id) AS p;
+  FROM (VALUES (true)) AS always (one_row)
+  LEFT JOIN @extschema@.stage_e_throttle_counter AS c ON true
+ CROSS JOIN LATERAL @extschema@.stage_e_pending(c.flush_id) AS p;
 COMMENT ON VIEW stage_e_throttle_totals IS
   'Exact live totals: the flushed row plus the counts still pending in shared memory.';
 GRANT SELECT ON stage_e_throttle_totals TO PUBLIC;

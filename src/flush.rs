@@ -7,12 +7,16 @@
 //! that transaction commits does the pool advance (`session`'s transaction-end hook calls
 //! [`Pool::commit_flush`]); if it aborts, the delta simply stays pending. One flusher per pool
 //! at a time (a pid in shared memory), so two flushes never take the same delta.
+//!
+//! Savepoints: a flush made in a subtransaction is settled when that subtransaction aborts
+//! (`ROLLBACK TO`, a PL/pgSQL EXCEPTION block): the row change is undone, so the delta is pending
+//! again. If the subtransaction commits, the flush belongs to its parent and is settled there.
 
 use crate::counters::CounterValues;
 use crate::session;
 use crate::shmem::Pool;
 use crate::slots::{self, SlotError};
-use pgrx::prelude::*;
+use crate::sql;
 
 #[derive(Debug)]
 pub enum FlushError {
@@ -21,6 +25,8 @@ pub enum FlushError {
     Busy,
     /// This transaction already flushed: a second flush would wait for itself.
     AgainInThisTransaction,
+    /// SPI refused the statement (not an ERROR, which propagates as one).
+    Spi(pgrx::spi::Error),
 }
 
 impl From<SlotError> for FlushError {
@@ -38,28 +44,17 @@ pub enum Write {
     Reset,
 }
 
-/// The extension's schema in the current database, quoted, or None when it is not installed.
-pub fn extension_schema() -> Option<String> {
-    Spi::get_one::<String>(
-        "SELECT pg_catalog.quote_ident(n.nspname) FROM pg_catalog.pg_extension e \
-         JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace \
-         WHERE e.extname = 'stage_e_slots'",
-    )
-    .ok()
-    .flatten()
-}
-
 /// Flushes (or resets) the current database in the current transaction. Returns the counts
 /// written, or None when the extension is not installed here. With `wait`, waits for another
 /// process's flush of this database to end; without, returns `Busy`.
 pub fn flush(write: Write, wait: bool) -> Result<Option<CounterValues>, FlushError> {
-    let Some(schema) = extension_schema() else {
+    let Some(schema) = sql::extension_schema() else {
         return Ok(None);
     };
-    let Some(pool) = slots::pool_of_this_database(false)? else {
+    let Some(pool) = slots::pool_of_this_database()? else {
         // No activity since server start: nothing is pending. A reset still zeroes the row.
         if write == Write::Reset {
-            upsert(&schema, write, CounterValues::default(), 0);
+            upsert(&schema, write, CounterValues::default(), 0)?;
         }
         return Ok(Some(CounterValues::default()));
     };
@@ -70,7 +65,7 @@ pub fn flush(write: Write, wait: bool) -> Result<Option<CounterValues>, FlushErr
     // From here on the transaction's end settles the flush, whichever way it ends.
     session::flush_started(pool, read);
     pool.set_inflight(id, delta);
-    upsert(&schema, write, delta, id);
+    upsert(&schema, write, delta, id)?;
     Ok(Some(delta))
 }
 
@@ -88,18 +83,18 @@ fn become_flusher(pool: Pool, wait: bool) -> Result<(), FlushError> {
     }
 }
 
-fn upsert(schema: &str, write: Write, delta: CounterValues, id: u64) {
+fn upsert(schema: &str, write: Write, delta: CounterValues, id: u64) -> Result<(), FlushError> {
     let set = match write {
         Write::Add => CounterValues::NAMES
             .iter()
-            .map(|c| format!("{c} = t.{c} + excluded.{c}"))
+            .map(|c| format!("{c} = t.{c} OPERATOR(pg_catalog.+) excluded.{c}"))
             .collect::<Vec<_>>(),
         Write::Reset => CounterValues::NAMES
             .iter()
             .map(|c| format!("{c} = 0"))
             .collect(),
     };
-    let sql = format!(
+    let query = format!(
         "INSERT INTO {schema}.stage_e_throttle_counter AS t \
            (id, {cols}, flushed_at, flush_id) \
          VALUES (true, $1, $2, $3, $4, $5, pg_catalog.now(), $6) \
@@ -112,8 +107,8 @@ fn upsert(schema: &str, write: Write, delta: CounterValues, id: u64) {
         Write::Add => delta.to_array().map(|x| x as i64),
         Write::Reset => [0; 5],
     };
-    Spi::run_with_args(
-        &sql,
+    sql::write(
+        &query,
         &[
             v[0].into(),
             v[1].into(),
@@ -123,12 +118,12 @@ fn upsert(schema: &str, write: Write, delta: CounterValues, id: u64) {
             (id as i64).into(),
         ],
     )
-    .expect("counter row upsert");
+    .map_err(FlushError::Spi)
 }
 
 /// Pending counts of the current database, as seen by a reader of the row with `row_flush_id`.
 pub fn pending(row_flush_id: Option<i64>) -> Result<CounterValues, SlotError> {
-    Ok(slots::pool_of_this_database(false)?
+    Ok(slots::pool_of_this_database()?
         .map(|p| p.flush_state().pending(row_flush_id.map(|id| id as u64)))
         .unwrap_or_default())
 }

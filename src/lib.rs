@@ -16,6 +16,7 @@ mod occupancy;
 mod session;
 mod shmem;
 mod slots;
+mod sql;
 mod worker;
 
 use pgrx::prelude::*;
@@ -24,6 +25,7 @@ use pgrx::prelude::*;
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    keep_backtraces_out_of_client_messages();
     // SAFETY: a flag the postmaster sets while loading shared_preload_libraries.
     if unsafe { !pg_sys::process_shared_preload_libraries_in_progress } {
         // Loaded by CREATE EXTENSION or a function call instead: there is no shared memory to
@@ -34,7 +36,22 @@ pub extern "C-unwind" fn _PG_init() {
     gucs::init();
     gucs::reserve_prefix();
     shmem::init();
-    worker::register();
+    // pg_upgrade starts both servers in binary-upgrade mode: no database work then (pg_cron).
+    // SAFETY: a flag set from the command line before shared_preload_libraries is loaded.
+    let binary_upgrade = unsafe { pg_sys::IsBinaryUpgrade };
+    if !binary_upgrade {
+        worker::register();
+    }
+}
+
+/// pgrx puts a captured Rust backtrace into the DETAIL of any ERROR that crosses its FFI guard,
+/// and captures one whenever RUST_BACKTRACE is set in the server's environment. A client must
+/// never see our stack, so capture is turned off for this process and those it starts; the
+/// error itself (message, detail, hint) is reported unchanged.
+fn keep_backtraces_out_of_client_messages() {
+    // SAFETY: _PG_init runs before the process starts any thread, so nothing reads the
+    // environment concurrently.
+    unsafe { std::env::set_var("RUST_LIB_BACKTRACE", "0") };
 }
 
 #[cfg(any(test, feature = "pg_test"))]

@@ -17,13 +17,20 @@ use pgrx::pg_sys;
 use std::cell::{Cell, RefCell};
 use std::ffi::CStr;
 
+struct Flush {
+    pool: Pool,
+    read: FlushState,
+    subxact: pg_sys::SubTransactionId,
+}
+
 thread_local! {
     /// Slots this backend acquired through the extension and has not released.
     static TRACKED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     static HOOKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
     static RECOVERY_DONE: Cell<bool> = const { Cell::new(false) };
-    /// The flush this transaction is making: the pool and what it read.
-    static FLUSH: RefCell<Option<(Pool, FlushState)>> = const { RefCell::new(None) };
+    /// The flush this transaction is making: the pool, what it read, and the subtransaction
+    /// that owns it (settled when that subtransaction aborts, or by the transaction's end).
+    static FLUSH: RefCell<Option<Flush>> = const { RefCell::new(None) };
 }
 
 pub fn pid() -> i32 {
@@ -34,6 +41,26 @@ pub fn pid() -> i32 {
 pub fn database() -> pg_sys::Oid {
     // SAFETY: set once at backend start-up, before any SQL runs.
     unsafe { pg_sys::MyDatabaseId }
+}
+
+/// Whether database `db` exists (a syscache probe; call inside a transaction).
+pub fn database_exists(db: u32) -> bool {
+    // SAFETY: a syscache lookup on the shared catalog pg_database, as the launcher does.
+    unsafe {
+        pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::DATABASEOID as i32,
+            pg_sys::Datum::from(db),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+            pg_sys::Datum::from(0),
+        )
+    }
+}
+
+/// Whether this process is a parallel worker or a leader running a parallel query.
+pub fn in_parallel_mode() -> bool {
+    // SAFETY: reads this backend's transaction state.
+    unsafe { pg_sys::IsInParallelMode() }
 }
 
 /// Start of the current statement as a TimestampTz: when a slot was acquired, to the
@@ -117,6 +144,7 @@ pub fn ensure_hooks() {
     unsafe {
         pg_sys::before_shmem_exit(Some(on_backend_exit), pg_sys::Datum::from(0));
         pg_sys::RegisterXactCallback(Some(on_xact_end), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(on_subxact_end), std::ptr::null_mut());
     }
     HOOKS_REGISTERED.set(true);
 }
@@ -128,10 +156,16 @@ unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
     }
 }
 
-/// Settles `pool`'s flush when this transaction ends.
+/// Settles `pool`'s flush when this transaction (or the subtransaction making it) ends.
 pub fn flush_started(pool: Pool, read: FlushState) {
     ensure_hooks();
-    FLUSH.set(Some((pool, read)));
+    // SAFETY: reads the current transaction state; we are inside a transaction.
+    let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
+    FLUSH.set(Some(Flush {
+        pool,
+        read,
+        subxact,
+    }));
 }
 
 /// Sleeps `ms` milliseconds, answering a cancel or terminate request.
@@ -154,13 +188,13 @@ unsafe extern "C-unwind" fn on_xact_end(
             pgrx::error!("cannot PREPARE a transaction that flushed stage_e_slots counters")
         }
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
-            if let Some((pool, read)) = FLUSH.take() {
-                pool.commit_flush(&read);
+            if let Some(f) = FLUSH.take() {
+                f.pool.commit_flush(&f.read);
             }
         }
         XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => {
-            if let Some((pool, _)) = FLUSH.take() {
-                pool.abort_flush();
+            if let Some(f) = FLUSH.take() {
+                f.pool.abort_flush();
             }
         }
         _ => return,
@@ -168,4 +202,24 @@ unsafe extern "C-unwind" fn on_xact_end(
     if tracks_any() && !matches!(event, XACT_EVENT_PRE_PREPARE) {
         crate::slots::reconcile();
     }
+}
+
+/// A subtransaction that made a flush aborted: its row change is undone, so the delta is pending
+/// again (and this transaction may flush anew). One that committed hands the flush to its parent.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_subxact_end(
+    event: pg_sys::SubXactEvent::Type,
+    mine: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    use pg_sys::SubXactEvent::*;
+    FLUSH.with_borrow_mut(|flush| match flush {
+        Some(f) if f.subxact == mine && event == SUBXACT_EVENT_ABORT_SUB => {
+            f.pool.abort_flush();
+            *flush = None;
+        }
+        Some(f) if f.subxact == mine && event == SUBXACT_EVENT_COMMIT_SUB => f.subxact = parent,
+        _ => {}
+    });
 }

@@ -7,8 +7,9 @@
 //! Layout (all 8-byte aligned):
 //! `Header | PoolHeader × max_databases | bitmap words × max_databases | SlotRecord × max_slots × max_databases`
 //!
-//! A pool is keyed by database OID today. Named caps will key pools by (database, name) and add
-//! entries to the same directory; nothing below assumes one pool per database beyond the key.
+//! The directory of pools is keyed by database OID. Lookups take no lock; taking a free entry
+//! (a database's first `stage_e_try_slot`) and reclaiming the entry of a dropped database take
+//! the directory's LWLock, so two backends of one database never create two pools.
 
 use crate::counters::{self, CounterValues};
 use crate::gucs;
@@ -66,7 +67,8 @@ impl Counters {
 
 #[repr(C)]
 struct PoolHeader {
-    /// 0 = unused. Goes from 0 to a database OID once (CAS) and never back until restart.
+    /// 0 = free. Set to a database OID under the directory lock by its first `stage_e_try_slot`,
+    /// and back to 0 (by [`reclaim`]) only once that database has been dropped.
     dboid: AtomicU32,
     /// Pid of the process whose open transaction is flushing this pool; 0 = none. Only that
     /// process writes the fields below it, so they need no lock among writers.
@@ -239,6 +241,29 @@ impl Pool {
         self.header.flusher.store(0, Ordering::Release);
     }
 
+    /// Returns the entry to its zeroed, free state. Only [`reclaim`] calls this, holding the
+    /// directory lock and the flusher role, for a database nobody can be connected to.
+    fn wipe(&self) {
+        for w in self.bits {
+            w.store(0, Ordering::Relaxed);
+        }
+        for r in self.records {
+            r.clear();
+        }
+        let zero = CounterValues::default();
+        let h = self.header;
+        h.counters.store(zero);
+        self.write(|h| {
+            h.carried.store(zero);
+            h.flushed.store(zero);
+            h.inflight.store(zero);
+            h.inflight_id.store(0, Ordering::Relaxed);
+        });
+        h.last_flush_id.store(0, Ordering::Relaxed);
+        h.flusher.store(0, Ordering::Relaxed);
+        h.dboid.store(0, Ordering::Release);
+    }
+
     /// Counts restored from the pending file of the last clean shutdown.
     fn carry(&self, v: CounterValues) {
         self.write(|h| h.carried.store(h.carried.load().plus(v)));
@@ -265,6 +290,10 @@ pub struct PoolsFull {
 /// Set in every process by the startup hook (children inherit it through fork). Null means
 /// the library was not preloaded, and every SQL function refuses to run.
 static SEGMENT: AtomicPtr<Header> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The lock of the database directory (taking and reclaiming entries; never the acquire path).
+static DIRECTORY_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut());
+const LOCK_TRANCHE: &std::ffi::CStr = c"stage_e_slots";
 
 static mut PREV_SHMEM_REQUEST_HOOK: pg_sys::shmem_request_hook_type = None;
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
@@ -303,6 +332,7 @@ unsafe extern "C-unwind" fn shmem_request() {
             prev();
         }
         pg_sys::RequestAddinShmemSpace(requested_bytes());
+        pg_sys::RequestNamedLWLockTranche(LOCK_TRANCHE.as_ptr(), 1);
     }
 }
 
@@ -328,6 +358,8 @@ unsafe extern "C-unwind" fn shmem_startup() {
             (*base).words_per_pool = occupancy::words_for(max_slots) as u32;
         }
         pg_sys::LWLockRelease(lock);
+        let directory = &raw mut (*pg_sys::GetNamedLWLockTranche(LOCK_TRANCHE.as_ptr())).lock;
+        DIRECTORY_LOCK.store(directory, Ordering::Release);
         SEGMENT.store(base, Ordering::Release);
         if !pg_sys::IsUnderPostmaster {
             // The postmaster (at start and after a crash reset): take back the counts saved at
@@ -353,7 +385,9 @@ fn restore_pending() {
         return;
     };
     for (db, values) in entries {
-        if let Ok(Some(pool)) = pool(pg_sys::Oid::from(db), true) {
+        // The postmaster, before any backend: every database in the file is kept (a dropped one
+        // is reclaimed by the launcher's first round).
+        if let Ok(Some(pool)) = create_pool(pg_sys::Oid::from(db), |_| true) {
             pool.carry(values);
         }
     }
@@ -424,6 +458,39 @@ fn segment() -> Option<Segment> {
 }
 
 impl Segment {
+    /// The entry of database `db`: a scan of every entry, since reclaimed entries leave gaps.
+    fn find(&self, db: u32) -> Option<usize> {
+        self.pools
+            .iter()
+            .position(|e| e.dboid.load(Ordering::Acquire) == db)
+    }
+
+    /// Under the directory lock: the entry of `db`, or the first free one, now `db`'s. The
+    /// lock is what keeps two backends of one database from taking two entries.
+    fn find_or_take(&self, db: u32) -> Option<usize> {
+        self.find(db).or_else(|| {
+            let i = self.find(0)?;
+            self.pools[i].dboid.store(db, Ordering::Release);
+            Some(i)
+        })
+    }
+
+    /// Runs `f` holding the directory lock, which serialises taking and reclaiming entries.
+    fn locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Guard(*mut pg_sys::LWLock);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                // SAFETY: acquired below by this process; also released if `f` unwinds.
+                unsafe { pg_sys::LWLockRelease(self.0) };
+            }
+        }
+        let lock = DIRECTORY_LOCK.load(Ordering::Acquire);
+        // SAFETY: the tranche's lock lives in the main LWLock array for the server's lifetime.
+        unsafe { pg_sys::LWLockAcquire(lock, pg_sys::LWLockMode::LW_EXCLUSIVE) };
+        let _guard = Guard(lock);
+        f()
+    }
+
     fn pool_at(&self, i: usize) -> Pool {
         let words = self.header.words_per_pool as usize;
         let slots = self.header.max_slots as usize;
@@ -435,39 +502,78 @@ impl Segment {
     }
 }
 
-/// The pool of database `dboid`. With `create`, takes a free entry on first use.
-///
-/// Creators always try the *first* free entry, and entries never return to free, so two
-/// backends of one database racing here both land on the same entry: no duplicate pools.
-pub fn pool(dboid: pg_sys::Oid, create: bool) -> Result<Option<Pool>, PoolsFull> {
+/// The pool of database `dboid`, found without a lock (the acquire path's lookup, once per
+/// backend). None when the database has not used the extension since start.
+pub fn pool(dboid: pg_sys::Oid) -> Option<Pool> {
+    let seg = segment()?;
+    seg.find(dboid.to_u32()).map(|i| seg.pool_at(i))
+}
+
+/// The pool of database `dboid`, taking a free entry on first use. When every entry is taken,
+/// the entries of databases that no longer exist (`exists` says which) are reclaimed first.
+pub fn create_pool(
+    dboid: pg_sys::Oid,
+    exists: impl Fn(u32) -> bool,
+) -> Result<Option<Pool>, PoolsFull> {
     let Some(seg) = segment() else {
         return Ok(None);
     };
     let me = dboid.to_u32();
-    for (i, entry) in seg.pools.iter().enumerate() {
-        let mut owner = entry.dboid.load(Ordering::Acquire);
-        if owner == 0 {
-            if !create {
-                return Ok(None);
-            }
-            owner = match entry
-                .dboid
-                .compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => me,
-                Err(now) => now,
-            };
-        }
-        if owner == me {
-            return Ok(Some(seg.pool_at(i)));
-        }
+    if let Some(i) = seg.find(me) {
+        return Ok(Some(seg.pool_at(i)));
     }
-    if !create {
-        return Ok(None);
+    if let Some(i) = seg.locked(|| seg.find_or_take(me)) {
+        return Ok(Some(seg.pool_at(i)));
     }
-    Err(PoolsFull {
-        max_databases: seg.header.max_databases,
-    })
+    // Full. Which entries belong to dropped databases is a catalog lookup, made outside the
+    // lock; each is then reclaimed under it only if it still belongs to that database.
+    let dropped: Vec<u32> = seg
+        .pools
+        .iter()
+        .map(|e| e.dboid.load(Ordering::Acquire))
+        .filter(|&db| db != 0 && db != me && !exists(db))
+        .collect();
+    for db in dropped {
+        reclaim(db);
+    }
+    match seg.locked(|| seg.find_or_take(me)) {
+        Some(i) => Ok(Some(seg.pool_at(i))),
+        None => Err(PoolsFull {
+            max_databases: seg.header.max_databases,
+        }),
+    }
+}
+
+/// Frees the entry of database `db`, which no longer exists, dropping its pending counts with
+/// a LOG line. False if it has no entry or a flush of it is in progress.
+pub fn reclaim(db: u32) -> bool {
+    let Some(seg) = segment() else {
+        return false;
+    };
+    let dropped = seg.locked(|| {
+        let i = seg.find(db)?;
+        let pool = seg.pool_at(i);
+        // Taking the flusher role shuts out a flush; nobody is connected to a dropped
+        // database, so nothing else writes the entry.
+        if !pool.try_begin_flush(-1) {
+            return None;
+        }
+        let pending = pool.flush_state().pending(None);
+        pool.wipe();
+        Some(pending)
+    });
+    match dropped {
+        Some(pending) => {
+            pgrx::log!(
+                "stage_e_slots: reclaimed the entry of dropped database {db}; dropped its pending \
+                 counters ({} acquired, {} throttled)",
+                pending.acquired,
+                pending.throttled
+            );
+            true
+        }
+        None => false,
+    }
 }
 
 // The benchmark's memory target is per slot per database: keep the record at 16 bytes.

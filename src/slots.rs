@@ -16,11 +16,13 @@ use crate::occupancy;
 use crate::session;
 use crate::shmem::{self, Counters, Pool};
 use std::cell::Cell;
+use std::sync::atomic::AtomicU64;
 
 #[derive(Debug, PartialEq)]
 pub enum SlotError {
     NotPreloaded,
     Standby,
+    ParallelMode,
     NullArgument { name: &'static str },
     CapOutOfRange { n: i32, max_slots: u32 },
     SlotOutOfRange { slot: i32, max_slots: u32 },
@@ -59,30 +61,48 @@ pub fn ready() -> Result<(), SlotError> {
     if session::in_recovery() {
         return Err(SlotError::Standby);
     }
+    // A parallel worker's session locks die with the worker at the end of the query (and the
+    // leader's locks are not the worker's): a slot taken there would be held by nobody. Core
+    // refuses advisory locks in parallel mode for the same reason.
+    if session::in_parallel_mode() {
+        return Err(SlotError::ParallelMode);
+    }
     Ok(())
 }
 
-fn my_pool(create: bool) -> Result<Option<Pool>, SlotError> {
+/// This database's pool, if it has used the extension since start.
+fn my_pool() -> Option<Pool> {
     if let Some(p) = MY_POOL.get() {
-        return Ok(Some(p));
+        return Some(p);
     }
-    let found = shmem::pool(session::database(), create).map_err(|e| SlotError::DatabasesFull {
-        max_databases: e.max_databases,
-    })?;
-    MY_POOL.set(found);
-    Ok(found)
+    let found = shmem::pool(session::database());
+    if found.is_some() {
+        MY_POOL.set(found);
+    }
+    found
 }
 
-/// The current database's pool (created with `create`), for the flush and stats paths.
-pub fn pool_of_this_database(create: bool) -> Result<Option<Pool>, SlotError> {
+/// The current database's pool for the flush and stats paths; never takes an entry.
+pub fn pool_of_this_database() -> Result<Option<Pool>, SlotError> {
     if !shmem::attached() {
         return Err(SlotError::NotPreloaded);
     }
-    my_pool(create)
+    Ok(my_pool())
 }
 
-fn pool_for_write() -> Result<Pool, SlotError> {
-    Ok(my_pool(true)?.expect("pool(create = true) returns a pool or an error"))
+/// This database's pool, taking an entry on first use: only `stage_e_try_slot` does this, so
+/// reading, releasing or flushing in a database never uses one up.
+fn pool_for_acquire() -> Result<Pool, SlotError> {
+    if let Some(p) = my_pool() {
+        return Ok(p);
+    }
+    let created = shmem::create_pool(session::database(), session::database_exists)
+        .map_err(|e| SlotError::DatabasesFull {
+            max_databases: e.max_databases,
+        })?
+        .ok_or(SlotError::NotPreloaded)?;
+    MY_POOL.set(Some(created));
+    Ok(created)
 }
 
 fn check_cap(n: Option<i32>) -> Result<u32, SlotError> {
@@ -115,7 +135,7 @@ fn forget(pool: Pool, slot: u32) {
 pub fn try_slot(n: Option<i32>) -> Result<Option<u32>, SlotError> {
     ready()?;
     let n = check_cap(n)?;
-    let pool = pool_for_write()?;
+    let pool = pool_for_acquire()?;
     session::ensure_hooks();
     let counters = pool.counters();
     if let Some(slot) = search(pool, n) {
@@ -165,23 +185,29 @@ fn search(pool: Pool, n: u32) -> Option<u32> {
 pub fn release(slot: Option<i32>) -> Result<Release, SlotError> {
     ready()?;
     let slot = check_slot(slot)?;
-    let pool = pool_for_write()?;
-    let counters = pool.counters();
+    // No pool: nobody in this database took a slot through the extension since start. The
+    // call still answers truthfully, but there is nowhere to count it.
+    let pool = my_pool();
+    let count = |c: fn(&Counters) -> &AtomicU64| {
+        if let Some(p) = pool {
+            Counters::bump(c(p.counters()), 1);
+        }
+    };
     // A tracked slot is held unless its lock was dropped behind our back earlier in this
     // transaction (transaction end reconciles), so go straight to the lock manager; an untracked
     // one is checked first, so that a foreign release does not draw core's WARNING too.
     let tracked = session::is_tracked(slot);
     if (tracked || locks::held_by_me(slot)) && locks::unlock(slot) {
-        if tracked {
-            forget(pool, slot);
+        if let (true, Some(p)) = (tracked, pool) {
+            forget(p, slot);
         }
-        Counters::bump(&counters.released, 1);
+        count(|c| &c.released);
         return Ok(Release::Released);
     }
-    if tracked {
-        lost(pool, slot);
+    if let (true, Some(p)) = (tracked, pool) {
+        lost(p, slot);
     }
-    Counters::bump(&counters.foreign_releases, 1);
+    count(|c| &c.foreign_releases);
     Ok(Release::NotHeld {
         holder: locks::holder_of(slot),
     })
@@ -190,7 +216,9 @@ pub fn release(slot: Option<i32>) -> Result<Release, SlotError> {
 /// `stage_e_release_all()`: releases every slot this session took through the extension.
 pub fn release_all() -> Result<u32, SlotError> {
     ready()?;
-    let pool = pool_for_write()?;
+    let Some(pool) = my_pool() else {
+        return Ok(0); // nothing can be tracked without a pool
+    };
     let mut released = 0;
     for slot in session::tracked() {
         if locks::held_by_me(slot) {
@@ -211,7 +239,9 @@ pub fn holding(slot: Option<i32>) -> Result<bool, SlotError> {
     let slot = check_slot(slot)?;
     let held = locks::held_by_me(slot);
     if !held && session::is_tracked(slot) {
-        lost(pool_for_write()?, slot);
+        if let Some(pool) = my_pool() {
+            lost(pool, slot);
+        }
     }
     Ok(held)
 }
@@ -230,7 +260,7 @@ fn lost(pool: Pool, slot: u32) {
 
 /// Transaction end in a backend that tracks slots: clear any whose lock has gone.
 pub fn reconcile() {
-    if let Ok(Some(pool)) = my_pool(false) {
+    if let Some(pool) = my_pool() {
         reconcile_with(pool);
     }
 }
@@ -248,7 +278,7 @@ fn reconcile_with(pool: Pool) -> usize {
 /// Backend exit (disconnect, pg_terminate_backend, client killed): release held slots now,
 /// count them, and log the incident's signature.
 pub fn release_on_exit() {
-    let Ok(Some(pool)) = my_pool(false) else {
+    let Some(pool) = my_pool() else {
         return;
     };
     let mut released = Vec::new();
@@ -273,7 +303,7 @@ pub fn release_on_exit() {
 
 /// `stage_e_stats()` for the current database. `held` comes from the lock manager.
 pub fn stats() -> Result<Stats, SlotError> {
-    let counts = pool_of_this_database(false)?
+    let counts = pool_of_this_database()?
         .map(|p| p.counters().load())
         .unwrap_or_default();
     let max_slots = gucs::max_slots();
@@ -287,7 +317,7 @@ pub fn stats() -> Result<Stats, SlotError> {
 /// Held slots of the current database per the lock manager, with the acquisition time where
 /// the extension recorded it.
 pub fn holders() -> Result<Vec<Holder>, SlotError> {
-    let pool = pool_of_this_database(false)?;
+    let pool = pool_of_this_database()?;
     Ok(locks::granted_holders(gucs::max_slots())
         .into_iter()
         .map(|(slot, pid)| {

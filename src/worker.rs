@@ -12,7 +12,9 @@
 
 use crate::flush::{self, Write};
 use crate::gucs;
+use crate::session;
 use crate::shmem;
+use crate::sql;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
@@ -20,7 +22,7 @@ use std::time::{Duration, Instant};
 const LIBRARY: &str = "stage_e_slots";
 /// A flusher waits at most this long for a lock on the counter row before giving up until
 /// the next interval, so a locked table cannot stall the other databases' flushes.
-const FLUSH_LOCK_TIMEOUT: &str = "1s";
+const FLUSH_LOCK_TIMEOUT: &std::ffi::CStr = c"1s";
 
 /// Registers the launcher; called from `_PG_init` while preloading.
 pub fn register() {
@@ -67,34 +69,27 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
 
 /// One flusher per database with pending counts, one after another.
 fn flush_round() {
+    reclaim_dropped();
     for pool in shmem::pools() {
         if pool.flusher().is_some() || pool.flush_state().pending(None).is_zero() {
             continue;
         }
-        let db = pool.database();
-        if !database_exists(db) {
-            if flush::discard_pending(pool) {
-                log!("stage_e_slots: dropped pending counters of database {db}, which no longer exists");
-            }
-            continue;
+        match pool.database() {
+            0 => {} // reclaimed meanwhile
+            db => run_flusher(db),
         }
-        run_flusher(db);
     }
 }
 
-fn database_exists(db: u32) -> bool {
-    BackgroundWorker::transaction(|| {
-        // SAFETY: a syscache probe inside a transaction, on a shared catalog.
-        unsafe {
-            pg_sys::SearchSysCacheExists(
-                pg_sys::SysCacheIdentifier::DATABASEOID as i32,
-                pg_sys::Datum::from(db),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-                pg_sys::Datum::from(0),
-            )
+/// Frees the entries of dropped databases (see `shmem::reclaim`), so that `max_databases`
+/// counts databases that exist.
+fn reclaim_dropped() {
+    for pool in shmem::pools() {
+        let db = pool.database();
+        if db != 0 && !BackgroundWorker::transaction(|| session::database_exists(db)) {
+            shmem::reclaim(db);
         }
-    })
+    }
 }
 
 fn run_flusher(db: u32) {
@@ -124,10 +119,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
     let db = pg_sys::Oid::from(arg.value() as u32);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
     BackgroundWorker::transaction(|| {
-        Spi::run(&format!(
-            "SELECT pg_catalog.set_config('lock_timeout', '{FLUSH_LOCK_TIMEOUT}', true)"
-        ))
-        .expect("set lock_timeout");
+        sql::set_local(c"lock_timeout", FLUSH_LOCK_TIMEOUT);
         match flush::flush(Write::Add, false) {
             Ok(Some(_)) | Err(flush::FlushError::Busy) => {}
             Ok(None) => drop_orphaned(db),
@@ -142,7 +134,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
 /// The extension is no longer installed here: its table is gone with it, so the counts have
 /// nowhere to go.
 fn drop_orphaned(db: pg_sys::Oid) {
-    if let Ok(Some(pool)) = crate::slots::pool_of_this_database(false) {
+    if let Ok(Some(pool)) = crate::slots::pool_of_this_database() {
         if flush::discard_pending(pool) {
             log!(
                 "stage_e_slots: dropped pending counters of database {}, which no longer has the extension",

@@ -1,11 +1,14 @@
 """Bad input, missing preload, standby, settings: clear errors, never an uncapped slot."""
 
-import pytest
+import os
+import pwd
+
 import psycopg
+import pytest
 from psycopg import errors
 
 from conftest import KEY, one, slot_lock_holders, stats
-from pgcluster import Cluster, wait_for
+from pgcluster import Cluster, bindir, wait_for
 
 BAD_CALLS = [
     ("SELECT stage_e_try_slot(NULL)", "n must not be NULL"),
@@ -66,7 +69,10 @@ def not_preloaded():
 @pytest.mark.parametrize("call", [
     "SELECT stage_e_try_slot(8)", "SELECT stage_e_release(0)", "SELECT stage_e_release_all()",
     "SELECT stage_e_holding(0)", "SELECT * FROM stage_e_stats()",
-    "SELECT * FROM stage_e_slot_holders",
+    "SELECT * FROM stage_e_slot_holders", "SELECT * FROM stage_e_slot_holders_internal()",
+    "SELECT * FROM stage_e_flush()", "SELECT stage_e_reset_stats()",
+    "SELECT * FROM stage_e_pending()", "SELECT stage_e_snapshot()",
+    "SELECT * FROM stage_e_throttle_totals",
 ])
 def test_not_preloaded_every_function_errors_with_a_hint(not_preloaded, call):
     with not_preloaded.connect() as c:
@@ -108,17 +114,22 @@ def test_custom_key_and_bounds_are_honoured():
         c.destroy()
 
 
-def test_hot_standby_refuses_slots():
+def test_hot_standby_refuses_slots_and_reports_what_is_true_there():
     primary = Cluster("primary").init().start()
     standby = Cluster("standby", port=5434)
     try:
         primary.sql("CREATE EXTENSION stage_e_slots")
+        with primary.connect() as p, primary.connect() as q:
+            assert one(p, "SELECT stage_e_try_slot(1)") == 0
+            assert one(q, "SELECT stage_e_try_slot(1)") is None
+            q.execute("SELECT stage_e_flush()")
+            flushed_row = q.execute("SELECT throttled, acquired, flush_id "
+                                    "FROM stage_e_throttle_counter").fetchone()
+        assert flushed_row[:2] == (1, 1)
         standby.base.mkdir(parents=True, exist_ok=True)
-        import os, pwd
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")
             os.chown(standby.base, pw.pw_uid, pw.pw_gid)
-        from pgcluster import bindir
         standby._run(str(bindir() / "pg_basebackup"), "-D", str(standby.data), "-R",
                      "-h", str(primary.base), "-p", str(primary.port), "-U", "postgres")
         standby.write_settings()
@@ -126,12 +137,26 @@ def test_hot_standby_refuses_slots():
         with standby.connect() as s:
             wait_for(lambda: one(s, "SELECT pg_is_in_recovery()"), what="standby in recovery")
             for call in ["SELECT stage_e_try_slot(8)", "SELECT stage_e_release(0)",
-                         "SELECT stage_e_release_all()", "SELECT stage_e_holding(0)"]:
+                         "SELECT stage_e_release_all()", "SELECT stage_e_holding(0)",
+                         "SELECT stage_e_flush()", "SELECT stage_e_reset_stats()"]:
                 with pytest.raises(errors.ReadOnlySqlTransaction) as err:
                     s.execute(call)
                 assert "standby" in err.value.diag.message_primary
                 assert "primary" in err.value.diag.message_hint
             assert one(s, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
+            # What is true on the standby: the settings, the replicated row, nothing held or
+            # pending here.
+            snap = one(s, "SELECT stage_e_snapshot()")
+            assert snap["config"]["max_slots"] == 1024 and snap["held"] == 0
+            assert (snap["flushed"]["throttled"], snap["flushed"]["acquired"]) == (1, 1)
+            assert snap["pending"] == dict.fromkeys(snap["pending"], 0)
+            assert snap["holders"] == []
+            t = s.execute("SELECT throttled, acquired, pending_throttled "
+                          "FROM stage_e_throttle_totals").fetchone()
+            assert t == (1, 1, 0)
+            assert one(s, "SELECT held FROM stage_e_stats()") == 0
+            assert s.execute("SELECT * FROM stage_e_slot_holders").fetchall() == []
+            assert one(s, "SELECT throttled FROM stage_e_pending()") == 0
             # The flush launcher waits for promotion instead of writing or crash-looping.
             launcher = ("SELECT count(*) FROM pg_stat_activity "
                         "WHERE backend_type = 'stage_e_slots launcher'")

@@ -68,6 +68,13 @@ def test_release_of_a_free_slot_says_nobody_holds_it(connect):
     assert one(c, "SELECT stage_e_release(5)") is False
     assert "slot 5 was not held by this connection" in notices[0]["message"]
     assert "No session holds slot 5" in notices[0]["detail"]
+    # A database that never took a slot has no entry, and a release does not take one, so
+    # there is nowhere to count it (max_databases counts databases that use the cap).
+    assert stats(c)["foreign_releases"] == 0
+    assert one(c, "SELECT stage_e_try_slot(1)") == 0
+    assert one(c, "SELECT stage_e_release(0)") is True
+    assert one(c, "SELECT stage_e_release(5)") is False
+    assert len(notices) == 2
     assert stats(c)["foreign_releases"] == 1
 
 

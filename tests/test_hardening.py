@@ -1,0 +1,492 @@
+"""Attacks by a hostile role and mistakes by a careless operator: search_path and shadowing
+objects, dump/restore, savepoints, read-only transactions, database entries, parallel workers,
+EXECUTE privileges, a full lock table."""
+
+import re
+
+import psycopg
+import pytest
+from psycopg import errors
+
+from conftest import KEY, one, slot_lock_holders, stats
+from pgcluster import Cluster, bindir, wait_for
+
+COLS = ["acquired", "throttled", "released", "foreign_releases", "released_by_exit"]
+
+
+@pytest.fixture(scope="module")
+def hc():
+    """Flushes every 200 ms: the background flusher is part of what is attacked."""
+    c = Cluster("hardening", {"stage_e_slots.flush_interval": "'200ms'",
+                              "stage_e_slots.max_databases": 64}).init().start()
+    yield c
+    c.destroy()
+
+
+@pytest.fixture(scope="module")
+def mc():
+    """Flushes only when asked (the launcher's clock is an hour): manual flush tests."""
+    c = Cluster("manual", {"stage_e_slots.flush_interval": "'1h'",
+                           "stage_e_slots.max_databases": 64}).init().start()
+    yield c
+    c.destroy()
+
+
+def counter_rows(conn):
+    cur = conn.execute("SELECT * FROM stage_e_throttle_counter")
+    return [dict(zip([d.name for d in cur.description], r)) for r in cur.fetchall()]
+
+
+def flushed(conn, col="throttled"):
+    rows = counter_rows(conn)
+    assert len(rows) <= 1, rows
+    return rows[0][col] if rows else 0
+
+
+def pending(conn, col="throttled"):
+    """Pending counts as this transaction sees them (the view passes the row's flush id, so a
+    flush made by this very transaction is not pending)."""
+    return one(conn, f"SELECT p.{col} FROM stage_e_pending((SELECT flush_id FROM "
+                     "stage_e_throttle_counter)) AS p")
+
+
+def totals(conn):
+    cur = conn.execute("SELECT * FROM stage_e_throttle_totals")
+    return dict(zip([d.name for d in cur.description], cur.fetchone()))
+
+
+def throttle(conn, times):
+    return conn.execute(
+        "SELECT count(*) FILTER (WHERE s IS NULL) FROM "
+        "(SELECT stage_e_try_slot(1) AS s FROM generate_series(1, %s)) x", (times,)).fetchone()[0]
+
+
+def hold_cap_of_one(c, db):
+    holder = c.connect(db, "holder")
+    assert one(holder, "SELECT stage_e_try_slot(1)") == 0
+    return holder
+
+
+# -- search_path and shadowing objects -------------------------------------------------------
+
+# A database owner (not a superuser) plants operators and functions that a careless statement
+# would resolve to, each recording its caller and making its owner a superuser when the caller
+# is one. The issue's exploit is the `+`; the others cover every other lookup our SQL makes.
+EVIL = r"""
+CREATE SCHEMA evil;
+CREATE TABLE evil.calls (what text, by_superuser boolean);
+CREATE FUNCTION evil.trap(what text) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE su boolean := (SELECT rolsuper FROM pg_catalog.pg_roles
+                        WHERE rolname OPERATOR(pg_catalog.=) current_user);
+BEGIN
+  INSERT INTO evil.calls VALUES (what, su);
+  IF su THEN EXECUTE 'ALTER ROLE dbown SUPERUSER'; END IF;
+END $$;
+CREATE FUNCTION evil.add(a bigint, b bigint) RETURNS bigint LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('bigint +'); RETURN a OPERATOR(pg_catalog.+) b; END $$;
+CREATE OPERATOR evil.+ (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = evil.add);
+CREATE FUNCTION evil.eq_oid(a oid, b oid) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('oid ='); RETURN a OPERATOR(pg_catalog.=) b; END $$;
+CREATE OPERATOR evil.= (LEFTARG = oid, RIGHTARG = oid, FUNCTION = evil.eq_oid);
+CREATE FUNCTION evil.eq_name(a name, b name) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('name ='); RETURN a OPERATOR(pg_catalog.=) b; END $$;
+CREATE OPERATOR evil.= (LEFTARG = name, RIGHTARG = name, FUNCTION = evil.eq_name);
+CREATE FUNCTION evil.eq_name_text(a name, b text) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('name = text'); RETURN a OPERATOR(pg_catalog.=) b; END $$;
+CREATE OPERATOR evil.= (LEFTARG = name, RIGHTARG = text, FUNCTION = evil.eq_name_text);
+CREATE FUNCTION evil.eq_int(a integer, b integer) RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('int ='); RETURN a OPERATOR(pg_catalog.=) b; END $$;
+CREATE OPERATOR evil.= (LEFTARG = integer, RIGHTARG = integer, FUNCTION = evil.eq_int);
+CREATE FUNCTION evil.minus(a timestamptz, b timestamptz) RETURNS interval LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('timestamptz -'); RETURN a OPERATOR(pg_catalog.-) b; END $$;
+CREATE OPERATOR evil.- (LEFTARG = timestamptz, RIGHTARG = timestamptz, FUNCTION = evil.minus);
+CREATE FUNCTION evil.now() RETURNS timestamptz LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('now()'); RETURN pg_catalog.now(); END $$;
+CREATE FUNCTION evil.quote_ident(t text) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('quote_ident()'); RETURN pg_catalog.quote_ident(t); END $$;
+CREATE FUNCTION evil.set_config(a text, b text, c boolean) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN PERFORM evil.trap('set_config()'); RETURN pg_catalog.set_config(a, b, c); END $$;
+CREATE TABLE evil.stage_e_throttle_counter (LIKE public.stage_e_throttle_counter);
+CREATE TABLE evil.pg_extension (LIKE pg_catalog.pg_extension);
+"""
+
+
+@pytest.fixture
+def owned_db(hc):
+    """Database `ownd`, owned by the non-superuser `dbown`, with the extension installed by a
+    superuser and the planted objects first in the database's search_path."""
+    hc.sql("DROP DATABASE IF EXISTS ownd WITH (FORCE)")
+    hc.sql("DROP ROLE IF EXISTS dbown")
+    hc.sql("CREATE ROLE dbown LOGIN")
+    hc.sql("CREATE DATABASE ownd OWNER dbown")
+    hc.sql("CREATE EXTENSION stage_e_slots", dbname="ownd")
+    with hc.connect("ownd", user="dbown") as c:
+        c.execute(EVIL)
+        c.execute("ALTER DATABASE ownd SET search_path = evil, pg_catalog, public")
+    yield "ownd"
+    hc.sql("DROP DATABASE IF EXISTS ownd WITH (FORCE)")
+    hc.sql("DROP ROLE IF EXISTS dbown")
+
+
+def assert_not_escalated(hc):
+    with hc.connect("ownd") as c:
+        assert one(c, "SELECT count(*) FROM evil.calls") == 0, \
+            c.execute("SELECT * FROM evil.calls").fetchall()
+    assert hc.sql("SELECT rolsuper FROM pg_roles WHERE rolname = 'dbown'") == [(False,)]
+
+
+def test_a_database_owner_cannot_escalate_through_the_background_flusher(hc, owned_db):
+    with hc.connect(owned_db, user="dbown") as owner, hc.connect(owned_db, user="dbown") as o2:
+        assert one(owner, "SHOW search_path") == "evil, pg_catalog, public"
+        assert one(owner, "SELECT stage_e_try_slot(1)") == 0
+        assert one(o2, "SELECT stage_e_try_slot(1)") is None
+        # Two flushes: the first inserts the row, the second adds to it (the `+`).
+        wait_for(lambda: one(o2, "SELECT throttled FROM public.stage_e_throttle_counter") == 1,
+                 timeout=5, what="the first flush")
+        assert one(o2, "SELECT stage_e_try_slot(1)") is None
+        wait_for(lambda: one(o2, "SELECT throttled FROM public.stage_e_throttle_counter") == 2,
+                 timeout=5, what="the second flush")
+    assert_not_escalated(hc)
+
+
+READ_AND_WRITE_CALLS = [
+    "SELECT public.stage_e_try_slot(1)",
+    "SELECT public.stage_e_try_slot(1)",
+    "SELECT * FROM public.stage_e_flush()",
+    "SELECT public.stage_e_snapshot()",
+    "SELECT * FROM public.stage_e_pending()",
+    "SELECT * FROM public.stage_e_pending(0)",
+    "SELECT * FROM public.stage_e_stats()",
+    "SELECT * FROM public.stage_e_throttle_totals",
+    "SELECT * FROM public.stage_e_slot_holders",
+    "SELECT public.stage_e_holding(0)",
+    "SELECT public.stage_e_release(0)",
+    "SELECT public.stage_e_release(3)",
+    "SELECT public.stage_e_release_all()",
+    "SELECT public.stage_e_reset_stats()",
+]
+
+
+def test_a_superuser_with_a_hostile_search_path_runs_none_of_its_objects(hc, owned_db):
+    with hc.connect(owned_db) as su:
+        su.execute("SET search_path = evil, pg_catalog")
+        for call in READ_AND_WRITE_CALLS:
+            su.execute(call)
+            # Our pinned search_path never leaks into the caller's session.
+            assert one(su, "SHOW search_path") == "evil, pg_catalog", call
+        # The calls did their work in the extension's table, not the planted one.
+        assert one(su, "SELECT count(*) FROM public.stage_e_throttle_counter") == 1
+        assert one(su, "SELECT count(*) FROM evil.stage_e_throttle_counter") == 0
+    assert_not_escalated(hc)
+
+
+# -- pg_dump / pg_restore ----------------------------------------------------------------------
+
+def dumped_db(c, name):
+    """A database whose counter row holds flushed counts, with nothing pending."""
+    db = c.create_database(name)
+    holder = hold_cap_of_one(c, db)
+    with c.connect(db) as s:
+        assert throttle(s, 7) == 7
+        assert one(s, "SELECT stage_e_release(5)") is False  # a foreign release, counted
+        s.execute("SELECT * FROM stage_e_flush()")
+    holder.close()
+    with c.connect(db) as s:
+        wait_for(lambda: pending(s, "released_by_exit") == 1, what="the holder's exit")
+        s.execute("SELECT * FROM stage_e_flush()")
+        rows = counter_rows(s)
+    assert len(rows) == 1
+    assert [rows[0][k] for k in COLS] == [1, 7, 0, 1, 1]
+    return db, rows[0]
+
+
+@pytest.mark.parametrize("fmt", ["custom", "plain"])
+def test_dump_and_restore_into_a_fresh_database_keeps_the_counter_row(mc, fmt):
+    src, row = dumped_db(mc, f"dump_src_{fmt}")
+    dst = mc.create_database(f"dump_dst_{fmt}", extension=False)
+    bin_ = bindir()
+    conn = ["-h", str(mc.base), "-p", str(mc.port), "-U", "postgres"]
+    if fmt == "custom":
+        dump = str(mc.base / f"{src}.dump")
+        mc._run(str(bin_ / "pg_dump"), *conn, "-Fc", "-f", dump, src)
+        out = mc._run(str(bin_ / "pg_restore"), *conn, "-d", dst, "--single-transaction",
+                      "--exit-on-error", dump, check=False)
+    else:
+        out = mc._run("bash", "-o", "pipefail", "-c",
+                      f"{bin_}/pg_dump {' '.join(conn)} {src} | "
+                      f"{bin_}/psql -X -q {' '.join(conn)} -1 -v ON_ERROR_STOP=1 -d {dst}",
+                      check=False)
+    assert out.returncode == 0, out.stderr
+    assert "ERROR" not in out.stderr, out.stderr
+    with mc.connect(dst) as s:
+        assert counter_rows(s) == [row]
+        assert totals(s)["throttled"] == 7
+        # The restored database works, and adds to the restored counts.
+        holder = hold_cap_of_one(mc, dst)
+        assert throttle(s, 2) == 2
+        s.execute("SELECT * FROM stage_e_flush()")
+        assert flushed(s) == 9 and flushed(s, "acquired") == 2
+        holder.close()
+
+
+# -- savepoints ----------------------------------------------------------------------------------
+
+def test_a_flush_in_a_rolled_back_savepoint_loses_nothing_and_counts_nothing_twice(mc):
+    db = mc.create_database("sp_flush")
+    holder = hold_cap_of_one(mc, db)
+    with mc.connect(db) as s:
+        throttle(s, 5)
+        with s.transaction():
+            s.execute("SAVEPOINT a")
+            assert one(s, "SELECT throttled FROM stage_e_flush()") == 5
+            s.execute("ROLLBACK TO SAVEPOINT a")
+            # The row change is undone, so the counts are pending again, at once.
+            assert pending(s) == 5 and flushed(s) == 0
+            # And this transaction may flush again.
+            assert one(s, "SELECT throttled FROM stage_e_flush()") == 5
+        assert (flushed(s), pending(s), totals(s)["throttled"]) == (5, 0, 5)
+
+        # A PL/pgSQL EXCEPTION block is a subtransaction too.
+        throttle(s, 3)
+        s.execute("""DO $$ BEGIN
+                       BEGIN PERFORM stage_e_flush(); RAISE EXCEPTION 'undo';
+                       EXCEPTION WHEN raise_exception THEN NULL; END;
+                     END $$""")
+        assert (flushed(s), pending(s), totals(s)["throttled"]) == (5, 3, 8)
+        assert one(s, "SELECT throttled FROM stage_e_flush()") == 3
+        assert (flushed(s), pending(s)) == (8, 0)
+
+        # Nested: the flush in an inner savepoint that was released belongs to the outer one,
+        # and goes when the outer one is rolled back.
+        throttle(s, 2)
+        with s.transaction():
+            s.execute("SAVEPOINT outer_sp")
+            s.execute("SAVEPOINT inner_sp")
+            s.execute("SELECT stage_e_flush()")
+            s.execute("RELEASE SAVEPOINT inner_sp")
+            assert pending(s) == 0 and flushed(s) == 10
+            s.execute("ROLLBACK TO SAVEPOINT outer_sp")
+            assert pending(s) == 2 and flushed(s) == 8
+        # A released savepoint's flush commits with the transaction, once.
+        with s.transaction():
+            s.execute("SAVEPOINT a")
+            s.execute("SELECT stage_e_flush()")
+            s.execute("RELEASE SAVEPOINT a")
+        assert (flushed(s), pending(s), totals(s)["throttled"]) == (10, 0, 10)
+        # ...and is undone with a transaction that rolls back.
+        throttle(s, 1)
+        with pytest.raises(psycopg.Error):
+            with s.transaction():
+                s.execute("SAVEPOINT a")
+                s.execute("SELECT stage_e_flush()")
+                s.execute("RELEASE SAVEPOINT a")
+                s.execute("SELECT 1/0")
+        assert (flushed(s), pending(s), totals(s)["throttled"]) == (10, 1, 11)
+        assert stats(s)["throttled"] == 11
+    holder.close()
+
+
+def test_a_reset_in_a_rolled_back_savepoint_changes_nothing(mc):
+    db = mc.create_database("sp_reset")
+    holder = hold_cap_of_one(mc, db)
+    with mc.connect(db) as s:
+        throttle(s, 4)
+        s.execute("SELECT stage_e_flush()")
+        throttle(s, 6)
+        with s.transaction():
+            s.execute("SAVEPOINT a")
+            s.execute("SELECT stage_e_reset_stats()")
+            assert totals(s)["throttled"] == 0
+            s.execute("ROLLBACK TO SAVEPOINT a")
+        assert (flushed(s), pending(s), totals(s)["throttled"]) == (4, 6, 10)
+        s.execute("""DO $$ BEGIN
+                       BEGIN PERFORM stage_e_reset_stats(); RAISE EXCEPTION 'undo';
+                       EXCEPTION WHEN raise_exception THEN NULL; END;
+                     END $$""")
+        assert (flushed(s), pending(s), totals(s)["throttled"]) == (4, 6, 10)
+        s.execute("SELECT stage_e_reset_stats()")
+        assert (flushed(s), pending(s), totals(s)["throttled"]) == (0, 0, 0)
+    holder.close()
+
+
+# -- read functions are read-only --------------------------------------------------------------
+
+READS = [
+    "SELECT stage_e_snapshot()",
+    "SELECT * FROM stage_e_stats()",
+    "SELECT * FROM stage_e_pending()",
+    "SELECT * FROM stage_e_throttle_totals",
+    "SELECT * FROM stage_e_slot_holders",
+    "SELECT * FROM stage_e_throttle_counter",
+]
+
+
+@pytest.mark.parametrize("begin", ["BEGIN", "BEGIN READ ONLY"])
+def test_read_functions_assign_no_transaction_id(mc, begin):
+    db = mc.create_database("reads_" + begin.split()[-1].lower())
+    holder = hold_cap_of_one(mc, db)
+    with mc.connect(db) as s:
+        throttle(s, 3)
+        s.execute("SELECT stage_e_flush()")
+        throttle(s, 2)
+        s.execute(begin)
+        try:
+            for q in READS:
+                s.execute(q).fetchall()
+                assert one(s, "SELECT txid_current_if_assigned()") is None, q
+            snap = one(s, "SELECT stage_e_snapshot()")
+            assert (snap["flushed"]["throttled"], snap["pending"]["throttled"]) == (3, 2)
+            assert snap["holders"][0]["pid"] == holder.info.backend_pid
+        finally:
+            s.execute("ROLLBACK")
+    holder.close()
+
+
+# -- database entries ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_entries():
+    c = Cluster("entries", {"stage_e_slots.max_databases": 2,
+                            "stage_e_slots.flush_interval": "'200ms'"}).init().start()
+    yield c
+    c.destroy()
+
+
+def test_dropped_databases_give_their_entry_back(two_entries):
+    c = two_entries
+    for i in range(5):
+        db = c.create_database(f"rolling_{i}")
+        with c.connect(db) as s, c.connect(db) as t:
+            assert one(s, "SELECT stage_e_try_slot(1)") == 0
+            assert one(t, "SELECT stage_e_try_slot(1)") is None
+            assert stats(t)["throttled"] == 1
+        c.sql(f"DROP DATABASE {db} WITH (FORCE)")
+    # Entries are reclaimed by the next database that needs one or by the launcher, whichever
+    # comes first, and each drop of pending counts is logged.
+    wait_for(lambda: len(re.findall(r"reclaimed the entry of dropped database \d+",
+                                    c.log_text())) >= 3, timeout=5, what="reclaim LOG lines")
+
+
+def test_reading_releasing_and_flushing_take_no_entry(two_entries):
+    c = two_entries
+    keeper = c.create_database("keeper")
+    reader = c.create_database("reader")
+    late = c.create_database("late")
+    try:
+        with c.connect(keeper) as k:
+            assert one(k, "SELECT stage_e_try_slot(1)") == 0
+            with c.connect(reader) as r:
+                for q in READS + ["SELECT stage_e_release_all()", "SELECT stage_e_holding(0)",
+                                  "SELECT stage_e_release(0)", "SELECT * FROM stage_e_flush()",
+                                  "SELECT stage_e_reset_stats()"]:
+                    r.execute(q).fetchall()
+                s = stats(r)
+                assert [s[k] for k in COLS] == [0] * 5
+            # The reader took nothing, so the second entry is still free for `late`.
+            with c.connect(late) as lt:
+                assert one(lt, "SELECT stage_e_try_slot(1)") == 0
+            # Both entries now belong to databases that exist: a third is refused, clearly.
+            third = c.create_database("third")
+            with c.connect(third) as th:
+                with pytest.raises(errors.ConfigurationLimitExceeded) as err:
+                    th.execute("SELECT stage_e_try_slot(1)")
+                assert "stage_e_slots.max_databases" in err.value.diag.message_hint
+    finally:
+        for db in ["keeper", "reader", "late", "third"]:
+            c.sql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+# -- parallel workers ----------------------------------------------------------------------------
+
+PARALLEL_WRAPPERS = {
+    "par_try": ("n integer", "integer", "stage_e_try_slot(n)", "par_try(4)"),
+    "par_release": ("s integer", "boolean", "stage_e_release(s)", "par_release(0)"),
+    "par_release_all": ("", "integer", "stage_e_release_all()", "par_release_all()"),
+    "par_holding": ("s integer", "boolean", "stage_e_holding(s)", "par_holding(0)"),
+}
+
+
+@pytest.mark.parametrize("name", list(PARALLEL_WRAPPERS))
+def test_slot_functions_refuse_to_run_in_parallel_mode(cluster, connect, name):
+    args, ret, body, call = PARALLEL_WRAPPERS[name]
+    c, observer = connect(), connect("observer")
+    c.execute(f"CREATE FUNCTION {name}({args}) RETURNS {ret} LANGUAGE plpgsql PARALLEL SAFE "
+              f"AS $$ BEGIN RETURN {body}; END $$")
+    major = int(one(c, "SHOW server_version_num")) // 10000
+    c.execute("SET debug_parallel_query = on" if major >= 16 else "SET force_parallel_mode = on")
+    plan = "\n".join(r[0] for r in c.execute(f"EXPLAIN (VERBOSE) SELECT {call}").fetchall())
+    assert "Gather" in plan and "Single Copy: true" in plan, plan
+    with pytest.raises(errors.InvalidTransactionState) as err:
+        c.execute(f"SELECT {call}")
+    assert "parallel operation" in err.value.diag.message_primary
+    assert "PARALLEL SAFE" in err.value.diag.message_hint
+    assert slot_lock_holders(observer) == []
+    # Outside parallel mode the same wrapper works.
+    c.execute("RESET debug_parallel_query" if major >= 16 else "RESET force_parallel_mode")
+    c.execute(f"SELECT {call}")
+
+
+# -- privileges --------------------------------------------------------------------------------
+
+SLOT_FUNCTIONS = ("stage_e_try_slot(integer), stage_e_release(integer), stage_e_release_all(), "
+                  "stage_e_holding(integer)")
+
+
+def test_execute_can_be_limited_to_worker_roles(cluster, db, connect):
+    cluster.sql("DROP ROLE IF EXISTS intruder")
+    cluster.sql("DROP ROLE IF EXISTS worker_1")
+    cluster.sql("DROP ROLE IF EXISTS workers")
+    cluster.sql("CREATE ROLE workers NOLOGIN")
+    cluster.sql("CREATE ROLE worker_1 LOGIN IN ROLE workers")
+    cluster.sql("CREATE ROLE intruder LOGIN")
+    admin = connect()
+    admin.execute(f"REVOKE EXECUTE ON FUNCTION {SLOT_FUNCTIONS} FROM PUBLIC")
+    admin.execute(f"GRANT EXECUTE ON FUNCTION {SLOT_FUNCTIONS} TO workers")
+    with cluster.connect(db, user="intruder") as c:
+        for call in ["SELECT stage_e_try_slot(1)", "SELECT stage_e_release(0)",
+                     "SELECT stage_e_release_all()", "SELECT stage_e_holding(0)"]:
+            with pytest.raises(errors.InsufficientPrivilege):
+                c.execute(call)
+        # Reading stays open to everyone.
+        assert one(c, "SELECT held FROM stage_e_stats()") == 0
+    with cluster.connect(db, user="worker_1") as w:
+        assert one(w, "SELECT stage_e_try_slot(1)") == 0
+        assert one(w, "SELECT stage_e_release(0)") is True
+    assert slot_lock_holders(admin) == []
+
+
+# -- a full lock table -------------------------------------------------------------------------
+
+def test_a_full_lock_table_is_a_clear_error_without_a_backtrace_and_leaks_nothing():
+    c = Cluster("locktable", {"max_locks_per_transaction": 10, "max_connections": 10,
+                              "stage_e_slots.max_slots": 65536})
+    # RUST_BACKTRACE in the server's environment must not put a Rust stack into a client message.
+    c.init().start(env={"RUST_BACKTRACE": "1"})
+    try:
+        c.create_database("app")
+        with c.connect("app") as s, c.connect("app", "observer") as observer:
+            with pytest.raises(errors.OutOfMemory) as err:
+                s.execute("SELECT stage_e_try_slot(65536) FROM generate_series(1, 100000)")
+            d = err.value.diag
+            assert d.message_primary == "out of shared memory"
+            assert "max_locks_per_transaction" in d.message_hint
+            assert d.message_detail is None or not re.search(
+                r"backtrace|\.rs:\d+|rust_begin_unwind|pgrx", d.message_detail), d.message_detail
+            # Every slot the statement got before the ERROR is held, tracked and released.
+            # (The observer reads pg_locks without touching pg_database, a shared catalog whose
+            # lock would need a free entry of the full table.)
+            def slot_locks():
+                return observer.execute(
+                    "SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND classid = %s AND objsubid = 2 AND granted ORDER BY 1", (KEY,)).fetchall()
+            held = slot_locks()
+            assert len(held) > 100 and {pid for _, pid in held} == {s.info.backend_pid}
+            assert [slot for slot, _ in held] == list(range(len(held)))
+            assert one(observer, "SELECT held FROM stage_e_stats()") == len(held)
+            assert one(s, "SELECT stage_e_release_all()") == len(held)
+            assert slot_locks() == []
+            # And the cap works again.
+            assert one(s, "SELECT stage_e_try_slot(4)") == 0
+        assert "stack backtrace" not in c.log_text()
+    finally:
+        c.destroy()
