@@ -62,6 +62,28 @@ impl CounterValues {
     }
 }
 
+/// The flush bookkeeping of one pool, read consistently (by `shmem::Pool::flush_state`).
+pub struct FlushState {
+    pub counters: CounterValues,
+    pub carried: CounterValues,
+    pub flushed: CounterValues,
+    pub inflight: CounterValues,
+    pub inflight_id: u64,
+}
+
+impl FlushState {
+    /// Counts not yet in the table. `row_flush_id` is the flush id of the table row the caller
+    /// sees: if that row already holds the in-flight delta (committed, not yet acknowledged
+    /// here), it is not counted twice.
+    pub fn pending(&self, row_flush_id: Option<u64>) -> CounterValues {
+        let pending = self.carried.plus(self.counters).minus(self.flushed);
+        match row_flush_id {
+            Some(id) if id != 0 && id == self.inflight_id => pending.minus(self.inflight),
+            _ => pending,
+        }
+    }
+}
+
 const FILE_HEADER: &str = "stage_e_slots pending counters v1";
 
 /// Pending counts per database OID, as written at clean shutdown.
@@ -132,6 +154,39 @@ mod unit {
         assert_eq!(decode(&format!("{FILE_HEADER}\n1 2 3\n")), None);
         assert_eq!(decode(&format!("{FILE_HEADER}\n1 2 3 4 5 x\n")), None);
         assert_eq!(decode(&format!("{FILE_HEADER}\n-1 2 3 4 5 6\n")), None);
+    }
+
+    fn state(counters: u64, flushed: u64, inflight: u64, inflight_id: u64) -> FlushState {
+        FlushState {
+            counters: v(counters),
+            carried: v(1000),
+            flushed: v(flushed),
+            inflight: if inflight_id == 0 {
+                CounterValues::default()
+            } else {
+                v(inflight)
+            },
+            inflight_id,
+        }
+    }
+
+    #[test]
+    fn pending_is_carried_plus_counted_minus_flushed() {
+        let s = state(50, 20, 0, 0);
+        assert_eq!(s.pending(None), v(1000).plus(v(50)).minus(v(20)));
+        assert_eq!(s.pending(Some(0)), s.pending(None));
+    }
+
+    #[test]
+    fn a_reader_that_sees_the_inflight_flush_does_not_count_it_twice() {
+        // A flush with id 7 wrote `inflight` into the row; the pool has not advanced yet.
+        let s = state(50, 20, 30, 7);
+        let all = v(1000).plus(v(50)).minus(v(20));
+        // A reader whose row carries flush id 7 already has those 30 in the row.
+        assert_eq!(s.pending(Some(7)), all.minus(v(30)));
+        // A reader of the older row (or none) has not: they are still pending for it.
+        assert_eq!(s.pending(Some(6)), all);
+        assert_eq!(s.pending(None), all);
     }
 
     #[test]

@@ -220,27 +220,36 @@ mod unit {
     }
 
     #[test]
-    fn concurrent_claim_and_release_keeps_count_bounded() {
+    fn concurrent_claim_and_release_never_hands_one_slot_to_two_threads() {
+        // Each thread marks the slot it claimed in an ownership table (0 = nobody) and unmarks
+        // it before clearing the bit: a claim of a slot another thread still owns would find
+        // its mark there.
         let n = 4u32;
         let b: Arc<Vec<AtomicU64>> = Arc::new(bitmap(64));
-        let handles: Vec<_> = (0..8)
-            .map(|_| {
-                let b = Arc::clone(&b);
+        let owner: Arc<Vec<AtomicU64>> = Arc::new((0..n).map(|_| AtomicU64::new(0)).collect());
+        let handles: Vec<_> = (1..=8u64)
+            .map(|me| {
+                let (b, owner) = (Arc::clone(&b), Arc::clone(&owner));
                 std::thread::spawn(move || {
+                    let mut got = 0u32;
                     for _ in 0..20_000 {
                         if let Some(c) = claim_first_free(&b, 0, n) {
                             let s = c.keep();
-                            assert!(s < n);
-                            assert!(count(&b, 64) <= n);
+                            assert!(s < n, "claimed {s} outside [0, {n})");
+                            let prev = owner[s as usize].swap(me, Ordering::AcqRel);
+                            assert_eq!(prev, 0, "slot {s} claimed by {me} while {prev} held it");
+                            std::hint::spin_loop();
+                            owner[s as usize].store(0, Ordering::Release);
                             clear(&b, s);
+                            got += 1;
                         }
                     }
+                    got
                 })
             })
             .collect();
-        for h in handles {
-            h.join().unwrap();
-        }
+        let total: u32 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        assert!(total > 0);
         assert_eq!(count(&b, 64), 0);
     }
 }

@@ -140,8 +140,12 @@ mod tests {
     fn holders_view_shows_this_session_with_acquisition_time() {
         settle();
         let slot = one::<i32>("SELECT stage_e_try_slot(8)").unwrap();
+        // The slot was taken by this test's statement (the whole test is one top-level
+        // statement): acquired_at is its start, and held_for counts from there.
         let row = Spi::get_two::<i32, bool>(&format!(
-            "SELECT pid, acquired_at <= clock_timestamp() AND held_for >= '0'::interval \
+            "SELECT pid, acquired_at = statement_timestamp() \
+                    AND held_for >= clock_timestamp() - statement_timestamp() - '1 second'::interval \
+                    AND held_for <= clock_timestamp() - statement_timestamp() \
              FROM stage_e_slot_holders WHERE slot = {slot}"
         ))
         .unwrap();

@@ -12,7 +12,8 @@
 //! Both are registered lazily on first use: `_PG_init` runs in the postmaster, whose exit
 //! callbacks children discard, and a backend that never takes a slot pays nothing.
 
-use crate::shmem::{FlushState, Pool};
+use crate::counters::FlushState;
+use crate::shmem::Pool;
 use pgrx::pg_sys;
 use std::cell::{Cell, RefCell};
 use std::ffi::CStr;

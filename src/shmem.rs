@@ -11,7 +11,7 @@
 //! (a database's first `stage_e_try_slot`) and reclaiming the entry of a dropped database take
 //! the directory's LWLock, so two backends of one database never create two pools.
 
-use crate::counters::{self, CounterValues};
+use crate::counters::{self, CounterValues, FlushState};
 use crate::gucs;
 use crate::occupancy;
 use pgrx::pg_sys;
@@ -85,28 +85,6 @@ struct PoolHeader {
     last_flush_id: AtomicU64,
     /// Seqlock over carried/flushed/inflight: odd while the flusher updates them.
     version: AtomicU64,
-}
-
-/// The flush bookkeeping of one pool, read consistently.
-pub struct FlushState {
-    pub counters: CounterValues,
-    pub carried: CounterValues,
-    pub flushed: CounterValues,
-    pub inflight: CounterValues,
-    pub inflight_id: u64,
-}
-
-impl FlushState {
-    /// Counts not yet in the table. `row_flush_id` is the flush id of the table row the caller
-    /// sees: if that row already holds the in-flight delta (committed, not yet acknowledged
-    /// here), it is not counted twice.
-    pub fn pending(&self, row_flush_id: Option<u64>) -> CounterValues {
-        let pending = self.carried.plus(self.counters).minus(self.flushed);
-        match row_flush_id {
-            Some(id) if id != 0 && id == self.inflight_id => pending.minus(self.inflight),
-            _ => pending,
-        }
-    }
 }
 
 /// Who holds a slot through the extension. Written only by the backend whose claim set the

@@ -181,3 +181,28 @@ def test_the_suite_runs_on_the_major_pg_config_names(cluster):
     got = int(cluster.sql("SHOW server_version_num")[0][0]) // 10000
     print(f"\nPostgreSQL {got} from {PG_CONFIG}")
     assert got == int(want.group(1))
+
+
+SETTINGS = {
+    # name: (min, max, unit, context)
+    "stage_e_slots.max_slots": ("1", "65536", None, "postmaster"),
+    "stage_e_slots.lock_key": ("0", "2147483647", None, "postmaster"),
+    "stage_e_slots.max_databases": ("1", "1024", None, "postmaster"),
+    "stage_e_slots.flush_interval": ("100", "3600000", "ms", "sighup"),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_every_setting_has_its_documented_bounds_and_context(connect, name):
+    lo, hi, unit, context = SETTINGS[name]
+    c = connect()
+    assert c.execute("SELECT min_val, max_val, unit, context FROM pg_settings WHERE name = %s",
+                     (name,)).fetchone() == (lo, hi, unit, context)
+    for bad in [int(lo) - 1, int(hi) + 1]:
+        with pytest.raises(errors.InvalidParameterValue, match="outside the valid range|exceeds"):
+            c.execute(f"ALTER SYSTEM SET {name} = {bad}")
+    # None of them can be changed by a session: they size shared memory, name its locks, or
+    # pace a server-wide worker.
+    with pytest.raises(errors.CantChangeRuntimeParam):
+        c.execute(f"SET {name} = {lo}")
+    c.execute(f"ALTER SYSTEM RESET {name}")

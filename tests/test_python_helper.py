@@ -1,6 +1,8 @@
 """The Python recipe (examples/python/stage_e_slot.py) against a real cluster."""
 
+import gc
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -80,3 +82,40 @@ def test_a_lost_connection_is_reported_at_release_and_replaced(dsn, connect, cap
         assert slot == 0 and sc.holding(0)
     sc.close()
     assert slot_lock_holders(observer) == []
+
+
+def test_a_forked_child_opens_its_own_connection_and_leaves_the_parents_slot_alone(dsn, connect):
+    """A worker pool that forks (Celery prefork, gunicorn, multiprocessing) must not share the
+    parent's session: the child gets a new one, and nothing the child does (including dropping
+    the inherited connection object) may end the parent's session or its slot."""
+    observer = connect("observer")
+    sc = SlotConnection(dsn)
+    with sc.slot(4) as slot:
+        assert slot == 0
+        parent_backend = sc._conn.info.backend_pid
+        r, w = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - runs in the child
+            code = 1
+            try:
+                os.close(r)
+                with sc.slot(4) as s2:
+                    os.write(w, f"{s2} {sc._conn.info.backend_pid}".encode())
+                sc.close()
+                gc.collect()
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        _, status = os.waitpid(child, 0)
+        got = os.read(r, 100).decode().split()
+        os.close(r)
+        assert os.waitstatus_to_exitcode(status) == 0
+        child_slot, child_backend = int(got[0]), int(got[1])
+        assert child_slot == 1 and child_backend != parent_backend
+        # The parent's session and slot are intact, per the lock manager and per the parent.
+        assert sc.holding(0)
+        assert sc._conn.info.backend_pid == parent_backend
+        assert slot_lock_holders(observer) == [(0, parent_backend)]
+    assert slot_lock_holders(observer) == []
+    sc.close()

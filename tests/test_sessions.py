@@ -132,11 +132,12 @@ def test_exit_while_holding_frees_slots_at_once_counts_and_logs(cluster, db, con
             doomed.close()
         else:
             assert one(observer, "SELECT pg_terminate_backend(%s)", (pid,)) is True
-    wait_for(lambda: slot_lock_holders(observer) == [], timeout=5, what="slots to be freed")
-    # Free for others at once: the next session gets slot 0 again.
+    # The exit hook releases the locks first and counts them after: wait for the count.
+    wait_for(lambda: stats(observer)["released_by_exit"] - before["released_by_exit"] == 2,
+             timeout=5, what="the exit to be counted")
+    assert slot_lock_holders(observer) == []
+    # Free for others: the next session gets slot 0 again.
     assert one(observer, "SELECT stage_e_try_slot(4)") == 0
-    after = stats(observer)
-    assert after["released_by_exit"] - before["released_by_exit"] == 2
     line = f"backend pid {pid} (application_name \"doomed-worker\") exited holding slot(s) 0, 1"
     wait_for(lambda: line in cluster.log_text(), timeout=5, what="the exit LOG line")
 
@@ -150,6 +151,8 @@ def test_locks_freed_behind_our_back_never_leave_a_slot_stuck(cluster, connect, 
     holder, other = connect("pooled"), connect("other")
     assert one(holder, "SELECT stage_e_try_slot(1)") == 0
     assert one(other, "SELECT stage_e_try_slot(1)") is None
+    before = stats(other)
+    since = len(cluster.log_text())
     holder.execute(how)
     # Right after the statement that dropped it, the slot is neither reported held nor stuck.
     assert one(other, "SELECT count(*) FROM stage_e_slot_holders") == 0
@@ -157,8 +160,48 @@ def test_locks_freed_behind_our_back_never_leave_a_slot_stuck(cluster, connect, 
     assert one(other, "SELECT stage_e_try_slot(1)") == 0
     assert one(holder, "SELECT stage_e_holding(0)") is False
     assert one(holder, "SELECT stage_e_try_slot(1)") is None
+    # Counted as released once (not as a foreign release), and said in the log.
+    after = stats(other)
+    assert after["released"] - before["released"] == 1
+    assert after["foreign_releases"] == before["foreign_releases"]
+    line = (f"slot 0 of pid {holder.info.backend_pid} was released outside stage_e_release "
+            "(DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again")
+    wait_for(lambda: line in cluster.log_text()[since:], timeout=5, what="the LOG line")
+    assert cluster.log_text()[since:].count(line) == 1
     assert one(other, "SELECT stage_e_release(0)") is True
     assert one(holder, "SELECT stage_e_try_slot(1)") == 0
+
+
+def test_a_slot_unlocked_by_hand_in_this_transaction_is_found_when_the_cap_is_full(connect):
+    """What "lowest free slot" means inside one transaction (see the README): a slot whose lock
+    this session itself dropped with pg_advisory_unlock earlier in the same transaction is not
+    looked for on every try (that would cost a lock-table lookup per held slot per call). It
+    is taken again once every other slot is taken, and cleared at transaction end."""
+    c = connect()
+    assert one(c, "SELECT stage_e_try_slot(3)") == 0
+    with c.transaction():
+        assert one(c, "SELECT pg_advisory_unlock(%s, 0)", (KEY,)) is True
+        assert one(c, "SELECT stage_e_try_slot(3)") == 1
+        assert one(c, "SELECT stage_e_try_slot(3)") == 2
+        assert one(c, "SELECT stage_e_try_slot(3)") == 0
+        assert one(c, "SELECT stage_e_try_slot(3)") is None
+    assert one(c, "SELECT stage_e_release_all()") == 3
+    assert one(c, "SELECT stage_e_try_slot(3)") == 0
+    with c.transaction():
+        assert one(c, "SELECT pg_advisory_unlock(%s, 0)", (KEY,)) is True
+    # After the transaction ended, the slot is the lowest free one again.
+    assert one(c, "SELECT stage_e_try_slot(3)") == 0
+
+
+def test_held_counts_raw_advisory_locks_on_slots(connect):
+    c, raw = connect(), connect("raw")
+    assert one(raw, "SELECT pg_try_advisory_lock(%s, 5)", (KEY,)) is True
+    assert one(raw, "SELECT pg_try_advisory_lock(%s, 2000)", (KEY,)) is True  # >= max_slots
+    assert one(c, "SELECT stage_e_try_slot(8)") == 0
+    s = stats(c)
+    assert s["held"] == 2 and s["acquired"] == 1
+    rows = c.execute("SELECT slot, pid, acquired_at IS NULL FROM stage_e_slot_holders").fetchall()
+    assert rows == [(0, c.info.backend_pid, False), (5, raw.info.backend_pid, True)]
 
 
 def test_locks_dropped_inside_an_open_transaction_are_cleared_at_its_end(connect):
@@ -195,10 +238,15 @@ def test_two_databases_have_separate_slots_stats_and_views(cluster, db, connect)
 def test_holders_view_joins_the_session(connect):
     c, observer = connect("billing-worker-7"), connect("observer")
     slot = one(c, "SELECT stage_e_try_slot(8)")
+    # acquired_at is the start of the statement that took the slot: the holder's query_start
+    # while that statement is its last; held_for counts from it.
     row = observer.execute(
-        "SELECT slot, pid, acquired_at IS NOT NULL, held_for >= interval '0', application_name, "
-        "client_addr, state FROM stage_e_slot_holders").fetchone()
-    assert row == (slot, c.info.backend_pid, True, True, "billing-worker-7", None, "idle")
+        "SELECT h.slot, h.pid, h.acquired_at = a.query_start, "
+        "h.held_for >= statement_timestamp() - h.acquired_at, "
+        "h.held_for <= clock_timestamp() - h.acquired_at, "
+        "h.application_name, h.client_addr, h.state "
+        "FROM stage_e_slot_holders AS h JOIN pg_stat_activity AS a USING (pid)").fetchone()
+    assert row == (slot, c.info.backend_pid, True, True, True, "billing-worker-7", None, "idle")
     cols = [d.name for d in observer.execute("SELECT * FROM stage_e_slot_holders").description]
     assert cols == ["slot", "pid", "acquired_at", "held_for", "application_name", "client_addr",
                     "state"]

@@ -1,23 +1,40 @@
-"""Stress: many sessions cycling through a small cap while an independent observer watches
-pg_locks. The lock manager, not our counters, is the witness."""
+"""Stress: many sessions cycling through a small cap. What our code could break is a slot
+handed out without its lock, or one slot believed held by two clients at once: each client
+checks its slot in pg_locks (the lock manager, not our counters) in the same statement that
+took it, and a client-side ledger catches any two clients holding one slot at the same time.
+An independent observer samples pg_locks throughout."""
 
 import threading
 import time
 
-from conftest import one, slot_lock_holders, stats
+from conftest import KEY, one, slot_lock_holders, stats
 
 SESSIONS = 32
 CYCLES = 2000
 CAP = 4
 
+# Takes a slot and, in the same statement, asks the lock manager whether this very backend
+# holds that slot's lock.
+TRY_AND_VERIFY = f"""
+WITH t AS MATERIALIZED (SELECT stage_e_try_slot({CAP}) AS slot)
+SELECT t.slot,
+       (SELECT count(*) FROM pg_catalog.pg_locks AS l
+         WHERE l.locktype = 'advisory' AND l.classid = {KEY} AND l.objsubid = 2 AND l.granted
+           AND l.objid = t.slot::oid AND l.pid = pg_catalog.pg_backend_pid())
+  FROM t
+"""
 
-def test_never_more_than_n_holders_and_every_null_counted(connect):
+
+def test_no_slot_without_its_lock_no_slot_held_twice_and_every_null_counted(connect):
     workers = [connect(f"stress-{i}") for i in range(SESSIONS)]
     observer = connect("observer")
     before = stats(observer)
     nulls = [0] * SESSIONS
     acquired = [0] * SESSIONS
     errors = []
+    ledger_lock = threading.Lock()
+    ledger = {}  # slot -> worker that believes it holds it
+    violations = []
     done = threading.Event()
     samples, worst = [0], [0]
 
@@ -25,22 +42,39 @@ def test_never_more_than_n_holders_and_every_null_counted(connect):
         c = workers[i]
         try:
             for _ in range(CYCLES):
-                slot = one(c, "SELECT stage_e_try_slot(%s)", (CAP,))
+                slot, mine = c.execute(TRY_AND_VERIFY).fetchone()
                 if slot is None:
                     nulls[i] += 1
                     continue
-                assert 0 <= slot < CAP
                 acquired[i] += 1
-                assert one(c, "SELECT stage_e_release(%s)", (slot,)) is True
-        except Exception as e:  # noqa: BLE001 - reported below
+                if not 0 <= slot < CAP or mine != 1:
+                    violations.append(f"worker {i} got slot {slot}; its lock rows: {mine}")
+                # Set after the server granted it, cleared before the release is sent: two
+                # entries at once can only mean two holders at once.
+                with ledger_lock:
+                    if slot in ledger:
+                        violations.append(f"slot {slot} held by workers {ledger[slot]} and {i}")
+                    ledger[slot] = i
+                # The hold: one round trip, in which the session must see itself holding it.
+                if one(c, "SELECT stage_e_holding(%s)", (slot,)) is not True:
+                    violations.append(f"worker {i} does not hold slot {slot} it was given")
+                with ledger_lock:
+                    del ledger[slot]
+                if one(c, "SELECT stage_e_release(%s)", (slot,)) is not True:
+                    violations.append(f"worker {i} could not release slot {slot}")
+        except Exception as e:  # noqa: BLE001 - reported below, in the main thread
             errors.append(e)
 
     def observe():
-        while not done.is_set():
-            held = slot_lock_holders(observer)
-            samples[0] += 1
-            worst[0] = max(worst[0], len(held))
-            assert len({s for s, _ in held}) == len(held)
+        try:
+            while not done.is_set():
+                held = slot_lock_holders(observer, CAP)
+                samples[0] += 1
+                worst[0] = max(worst[0], len(held))
+                if len({s for s, _ in held}) != len(held):
+                    violations.append(f"pg_locks shows a slot twice: {held}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(SESSIONS)]
     watcher = threading.Thread(target=observe)
@@ -55,8 +89,9 @@ def test_never_more_than_n_holders_and_every_null_counted(connect):
     elapsed = time.monotonic() - started
 
     assert not errors, errors[:3]
+    assert not violations, violations[:5]
     assert samples[0] > 50, "the observer must actually have sampled during the run"
-    assert worst[0] <= CAP, f"pg_locks showed {worst[0]} holders of a cap of {CAP}"
+    assert worst[0] <= CAP
     after = stats(observer)
     assert after["throttled"] - before["throttled"] == sum(nulls)
     assert after["acquired"] - before["acquired"] == sum(acquired)

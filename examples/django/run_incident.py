@@ -30,9 +30,29 @@ def manage(env, *args, **kw):
 
 
 def counters(conn):
-    cur = conn.execute("SELECT throttled, released_by_exit, foreign_releases, acquired "
+    cur = conn.execute("SELECT throttled, released_by_exit, foreign_releases, acquired, released "
                        "FROM stage_e_throttle_totals")
     return dict(zip([d.name for d in cur.description], cur.fetchone()))
+
+
+def settled(conn, before):
+    """Every slot acquired during the run is accounted for as released, either by a release or
+    by its session's exit (the exit hook counts after it releases, so poll for it)."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = counters(conn)
+        d = {k: now[k] - before[k] for k in now}
+        if d["acquired"] == d["released"] + d["released_by_exit"] or time.monotonic() > deadline:
+            return now
+        time.sleep(0.02)
+
+
+def shared_slots(rows):
+    """Pairs of regions that overlapped in time on the same slot: two workers that each
+    believed they held that slot at once."""
+    ran = [(slot, s, e) for outcome, slot, s, e in rows if outcome == "ran"]
+    return sum(1 for i, (a, s1, e1) in enumerate(ran) for (b, s2, e2) in ran[i + 1:]
+               if a == b and s1 < e2 and s2 < e1)
 
 
 def max_overlap(regions):
@@ -99,12 +119,11 @@ def main():
             os.killpg(cluster.pid, signal.SIGKILL)
             cluster.wait()
 
-    time.sleep(0.3)  # let exiting backends settle their slots
-    after = counters(observer)
-    rows = observer.execute("SELECT outcome, region_start, region_end FROM dispatch_outcome"
-                            ).fetchall()
-    regions = [(s, e) for o, s, e in rows if o == "ran"]
-    logged_throttles = sum(1 for o, _, _ in rows if o == "throttled")
+    after = settled(observer, before)
+    rows = observer.execute("SELECT outcome, slot, region_start, region_end "
+                            "FROM dispatch_outcome").fetchall()
+    regions = [(s, e) for o, _, s, e in rows if o == "ran"]
+    logged_throttles = sum(1 for o, _, _, _ in rows if o == "throttled")
     summary = {
         "mode": mode,
         "workers": 8,
@@ -116,6 +135,9 @@ def main():
         "max_concurrent_slot_holders_in_pg_locks": worst[0],
         "pg_locks_samples": samples[0],
         "max_concurrent_capped_regions": max_overlap(regions),
+        "overlapping_regions_on_one_slot": shared_slots(rows),
+        "acquired": after["acquired"] - before["acquired"],
+        "released": after["released"] - before["released"],
         "released_by_exit": after["released_by_exit"] - before["released_by_exit"],
         "foreign_releases": after["foreign_releases"] - before["foreign_releases"],
         "seconds": round(elapsed, 1),
