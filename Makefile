@@ -8,11 +8,17 @@ CARGO_FEATURES = --no-default-features --features $(PG_FEATURE)
 PGDATA_TEST ?= /tmp/stage_e_slots_pgrx-$(PG)
 # Root installs straight into the system Postgres; anyone else goes through sudo.
 SUDO_FLAG := $(if $(filter 0,$(shell id -u)),,--sudo)
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+# cargo pgrx install generates this version's script and copies sql/'s upgrade scripts; the
+# frozen install scripts of earlier versions (CREATE EXTENSION ... VERSION '0.1.0') are ours.
+BASE_SCRIPTS = $(filter-out $(wildcard sql/stage_e_slots--*--*.sql),$(wildcard sql/stage_e_slots--*.sql))
+install_base_scripts = $(SUDO) install -m 644 $(BASE_SCRIPTS) \
+	"$$($(PG_CONFIG) --sharedir)/extension/"
 
 export PG_CONFIG
 
 .PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
-        test-integration lint clean
+        test-integration lint clean package test-package
 
 deps:
 	@scripts/install-deps.sh $(PG) $(PG_CONFIG)
@@ -20,9 +26,11 @@ deps:
 ## Release build into the Postgres that PG_CONFIG names (Debian's 15 by default).
 install: deps
 	cargo pgrx install --release $(SUDO_FLAG) --pg-config $(PG_CONFIG)
+	$(install_base_scripts)
 
 install-dev: deps
 	cargo pgrx install $(SUDO_FLAG) --pg-config $(PG_CONFIG)
+	$(install_base_scripts)
 
 ## A throwaway cluster showing the cap at work; stops it again.
 demo: install
@@ -55,6 +63,17 @@ test-pg:
 
 test-integration: install-dev
 	.venv/bin/python -m pytest tests -v -s -p no:cacheprovider
+
+## Release artifacts in dist/ (scripts/package.sh): a .tar.gz for the PostgreSQL that PG_CONFIG
+## names and, for Debian's PostgreSQL, postgresql-$(PG)-stage-e-slots_<version>_amd64.deb.
+package: deps
+	scripts/package.sh $(PG_CONFIG)
+
+## Installs the 15 .deb and the 15 and 18 tarballs, runs them, then puts the previous files back.
+test-package:
+	$(MAKE) package PG=15 PG_CONFIG=$$(scripts/pg-config.sh 15)
+	$(MAKE) package PG=18 PG_CONFIG=$$(scripts/pg-config.sh 18)
+	.venv/bin/python -m pytest packaging -v -p no:cacheprovider
 
 lint: deps
 	cargo fmt --check

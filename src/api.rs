@@ -1,196 +1,136 @@
-//! The SQL surface: each function translates arguments, calls `slots`, and maps errors.
-//! Every function is VOLATILE and PARALLEL UNSAFE (advisory locks are refused in parallel
-//! workers). Arguments are `Option` so a NULL reaches us and becomes a class-22 ERROR rather
-//! than a silent NULL from a STRICT function.
+//! The SQL surface of 0.2.0: each function translates arguments, calls `slots` or `flush`, and
+//! maps errors (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are
+//! refused in parallel workers). Arguments are `Option` so a NULL reaches us and becomes a
+//! class-22 ERROR rather than a silent NULL from a STRICT function. The one-argument forms are
+//! the cap `default`. Tables and views are in `sql/schema/`; the 0.1.0 functions whose shape
+//! changed keep their C symbols in `compat`.
 
 use crate::counters::CounterValues;
-use crate::flush::{self, FlushError, Write};
+use crate::directory::DEFAULT_CAP;
+use crate::errors::{raise, raise_flush, raise_internal, raise_not_installed, warn_not_held};
+use crate::flush::{self, Write};
 use crate::gucs;
-use crate::slots::{self, Release, SlotError};
+use crate::shmem;
+use crate::slots::{self, Release};
 use crate::sql;
 use pgrx::datetime::TimestampWithTimeZone;
-use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
-use pgrx::{PgLogLevel, PgSqlErrorCode};
 use serde::Serialize;
 
-const HINT_PRELOAD: &str = "Add stage_e_slots to shared_preload_libraries in postgresql.conf \
-     (shared_preload_libraries = 'stage_e_slots') and restart the server.";
-const HINT_SAME_CONNECTION: &str = "A slot is a session-level lock: it belongs to the \
-     connection that took it and is gone when that connection closes. Acquire and release on \
-     one dedicated connection, and check stage_e_holding(slot) before committing work.";
-
-/// Raises `e` as an ERROR with what happened, what was expected, and how to fix it.
-fn raise(e: SlotError) -> ! {
-    let (code, message, detail, hint) = match e {
-        SlotError::NotPreloaded => (
-            PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-            "stage_e_slots must be loaded via shared_preload_libraries".to_string(),
-            "Without its shared memory the cap cannot be enforced, so no slot is handed out."
-                .to_string(),
-            HINT_PRELOAD.to_string(),
-        ),
-        SlotError::Standby => (
-            PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION,
-            "stage_e_slots cannot be used on a standby".to_string(),
-            "Advisory locks on a standby do not coordinate with the primary, so a cap here would \
-             not bind."
-                .to_string(),
-            "Take and release slots on the primary.".to_string(),
-        ),
-        SlotError::ParallelMode => (
-            PgSqlErrorCode::ERRCODE_INVALID_TRANSACTION_STATE,
-            "stage_e_slots cannot be used during a parallel operation".to_string(),
-            "A slot is a session lock: one taken in a parallel worker would end with the worker, \
-             and the leader would not hold it."
-                .to_string(),
-            "Call the stage_e_slots functions outside parallel queries: do not wrap them in \
-             functions marked PARALLEL SAFE or RESTRICTED."
-                .to_string(),
-        ),
-        SlotError::NullArgument { name } => (
-            PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED,
-            format!("{name} must not be NULL"),
-            bounds_detail(name),
-            "Pass an integer.".to_string(),
-        ),
-        SlotError::CapOutOfRange { n, max_slots } => (
-            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-            format!("cap n = {n} is out of range"),
-            format!("n must be between 1 and stage_e_slots.max_slots ({max_slots})."),
-            "For a larger cap, raise stage_e_slots.max_slots in postgresql.conf and restart."
-                .to_string(),
-        ),
-        SlotError::SlotOutOfRange { slot, max_slots } => (
-            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
-            format!("slot {slot} is out of range"),
-            format!(
-                "Slots are numbered 0 to {} (stage_e_slots.max_slots - 1).",
-                max_slots - 1
-            ),
-            "Pass a slot number returned by stage_e_try_slot.".to_string(),
-        ),
-        SlotError::DatabasesFull { max_databases } => (
-            PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
-            "stage_e_slots has no room for another database".to_string(),
-            format!(
-                "All {max_databases} database entries (stage_e_slots.max_databases) are in use \
-                 since server start."
-            ),
-            "Raise stage_e_slots.max_databases in postgresql.conf and restart.".to_string(),
-        ),
+/// Defines a `#[pg_extern]` returning rows of some leading columns followed by the counters,
+/// so the counter columns are listed in one place ([`crate::counters`]'s list, passed in by
+/// `for_each_counter!`). The body yields `(leading columns, CounterValues)` pairs.
+macro_rules! counter_table_fn {
+    ([$($c:ident),*]
+     $(#[$attr:meta])*
+     fn $name:ident($($args:tt)*) -> ($($lead:ident: $lty:tt),*) $body:block) => {
+        $(#[$attr])*
+        #[allow(clippy::type_complexity)]
+        fn $name($($args)*) -> TableIterator<'static, ($(name!($lead, $lty),)* $(name!($c, i64),)*)> {
+            let rows: Vec<(($($lty,)*), CounterValues)> = $body;
+            TableIterator::new(rows.into_iter().map(|(($($lead,)*), v)| ($($lead,)* $(v.$c as i64,)*)))
+        }
     };
-    ErrorReport::new(code, message, "stage_e_slots")
-        .set_detail(detail)
-        .set_hint(hint)
-        .report(PgLogLevel::ERROR);
-    unreachable!("ereport(ERROR) does not return")
 }
 
-fn raise_flush(e: FlushError) -> ! {
-    match e {
-        FlushError::Slots(e) => raise(e),
-        FlushError::Spi(e) => {
-            ErrorReport::new(
-                PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-                format!("stage_e_slots could not write the counter row: {e}"),
-                "stage_e_slots",
-            )
-            .set_detail("The counts stay pending and are written by the next flush.")
-            .report(PgLogLevel::ERROR);
-            unreachable!("ereport(ERROR) does not return")
-        }
-        FlushError::Busy | FlushError::AgainInThisTransaction => {
-            ErrorReport::new(
-                PgSqlErrorCode::ERRCODE_OBJECT_IN_USE,
-                "stage_e_slots counters were already flushed in this transaction",
-                "stage_e_slots",
-            )
-            .set_detail("The row is settled when this transaction commits or aborts.")
-            .set_hint("Call stage_e_flush() or stage_e_reset_stats() once per transaction.")
-            .report(PgLogLevel::ERROR);
-            unreachable!("ereport(ERROR) does not return")
-        }
-    }
-}
+// -- slots ---------------------------------------------------------------------------------------
 
-fn bounds_detail(name: &str) -> String {
-    let max = crate::gucs::max_slots();
-    match name {
-        "n" => format!("n must be between 1 and stage_e_slots.max_slots ({max})."),
-        _ => format!("Slots are numbered 0 to {}.", max - 1),
-    }
-}
-
-/// A slot in `[0, n)` that this session now holds, or NULL when all n are taken.
+/// A slot in `[0, n)` of the cap `default` that this session now holds, or NULL when all n are
+/// taken.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_try_slot(n: Option<i32>) -> Option<i32> {
-    slots::try_slot(n)
+    try_slot(Some(DEFAULT_CAP), n)
+}
+
+/// A slot in `[0, n)` of cap `cap` that this session now holds, or NULL when all n are taken.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
+fn stage_e_try_slot_cap(cap: Option<&str>, n: Option<i32>) -> Option<i32> {
+    try_slot(cap, n)
+}
+
+fn try_slot(cap: Option<&str>, n: Option<i32>) -> Option<i32> {
+    slots::try_slot(cap, n)
         .unwrap_or_else(|e| raise(e))
         .map(|s| s as i32)
 }
 
-/// True when this session held the slot and no longer does; false with a WARNING otherwise.
+/// True when this session held the slot of `default` and no longer does; false with a WARNING
+/// otherwise.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_release(slot: Option<i32>) -> bool {
-    match slots::release(slot).unwrap_or_else(|e| raise(e)) {
+    release(Some(DEFAULT_CAP), slot)
+}
+
+/// True when this session held the slot of `cap` and no longer does; false with a WARNING
+/// otherwise.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_release")]
+fn stage_e_release_cap(cap: Option<&str>, slot: Option<i32>) -> bool {
+    release(cap, slot)
+}
+
+fn release(cap: Option<&str>, slot: Option<i32>) -> bool {
+    match slots::release(cap, slot).unwrap_or_else(|e| raise(e)) {
         Release::Released => true,
         Release::NotHeld { holder } => {
-            let slot = slot.unwrap_or_default();
-            let detail = match holder {
-                Some(pid) => format!("Slot {slot} is held by pid {pid}; it keeps the slot."),
-                None => format!("No session holds slot {slot}."),
-            };
-            ErrorReport::new(
-                PgSqlErrorCode::ERRCODE_WARNING,
-                format!("slot {slot} was not held by this connection"),
-                "stage_e_slots",
-            )
-            .set_detail(detail)
-            .set_hint(HINT_SAME_CONNECTION)
-            .report(PgLogLevel::WARNING);
+            warn_not_held(cap.unwrap_or_default(), slot.unwrap_or_default(), holder);
             false
         }
     }
 }
 
-/// Releases every slot this session took with stage_e_try_slot; returns how many.
+/// Releases every slot this session took with stage_e_try_slot, of every cap; returns how many.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_release_all() -> i32 {
-    slots::release_all().unwrap_or_else(|e| raise(e)) as i32
+    slots::release_all(None).unwrap_or_else(|e| raise(e)) as i32
 }
 
-/// Whether this session holds the slot right now.
+/// Releases every slot of `cap` this session took; returns how many.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_release_all")]
+fn stage_e_release_all_cap(cap: Option<&str>) -> i32 {
+    slots::release_all(Some(cap)).unwrap_or_else(|e| raise(e)) as i32
+}
+
+/// Whether this session holds the slot of `default` right now.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_holding(slot: Option<i32>) -> bool {
-    slots::holding(slot).unwrap_or_else(|e| raise(e))
+    slots::holding(Some(DEFAULT_CAP), slot).unwrap_or_else(|e| raise(e))
 }
 
-/// Counters for the current database since server start, and the slots held now.
-#[pg_extern(volatile, parallel_unsafe)]
-#[allow(clippy::type_complexity)]
-fn stage_e_stats() -> TableIterator<
-    'static,
-    (
-        name!(max_slots, i32),
-        name!(held, i32),
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    let s = slots::stats().unwrap_or_else(|e| raise(e));
-    let [a, t, r, f, x] = s.counts.to_array().map(|v| v as i64);
-    TableIterator::once((s.max_slots as i32, s.held as i32, a, t, r, f, x))
+/// Whether this session holds the slot of `cap` right now.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_holding")]
+fn stage_e_holding_cap(cap: Option<&str>, slot: Option<i32>) -> bool {
+    slots::holding(cap, slot).unwrap_or_else(|e| raise(e))
 }
 
-/// Held slots of the current database (lock manager truth); the view below adds session columns.
-#[pg_extern(volatile, parallel_unsafe)]
-fn stage_e_slot_holders_internal() -> TableIterator<
+/// The first int4 of the advisory locks of `cap`: slot s of the cap is the lock
+/// `(stage_e_cap_key(cap), s)`. The same on every server and after every restart.
+#[pg_extern(stable, parallel_safe)]
+fn stage_e_cap_key(cap: Option<&str>) -> i32 {
+    slots::cap_key(cap).unwrap_or_else(|e| raise(e))
+}
+
+// -- statistics and counters ---------------------------------------------------------------------
+
+for_each_counter!(counter_table_fn,
+    /// One row per cap in use in the current database: counters since the cap was created,
+    /// and the slots held now (from the lock manager).
+    #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
+    fn stage_e_stats_v2() -> (cap: String, max_slots: i32, held: i32) {
+        let max_slots = gucs::max_slots() as i32;
+        slots::stats()
+            .unwrap_or_else(|e| raise(e))
+            .into_iter()
+            .map(|s| ((s.cap, max_slots, s.held as i32), s.counts))
+            .collect()
+    }
+);
+
+/// Held slots of the current database (lock manager truth); the view adds session columns.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_slot_holders_internal")]
+fn stage_e_slot_holders_internal_v2() -> TableIterator<
     'static,
     (
+        name!(cap, String),
         name!(slot, i32),
         name!(pid, i32),
         name!(acquired_at, Option<TimestampWithTimeZone>),
@@ -201,107 +141,107 @@ fn stage_e_slot_holders_internal() -> TableIterator<
         let at = h
             .acquired_at
             .and_then(|t| TimestampWithTimeZone::try_from(t).ok());
-        (h.slot as i32, h.pid, at)
+        (h.cap, h.slot as i32, h.pid, at)
     }))
 }
 
-extension_sql!(
-    r#"
-CREATE VIEW stage_e_slot_holders AS
-SELECT h.slot,
-       h.pid,
-       h.acquired_at,
-       pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) h.acquired_at AS held_for,
-       a.application_name,
-       a.client_addr,
-       a.state
-  FROM @extschema@.stage_e_slot_holders_internal() AS h
-  LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid OPERATOR(pg_catalog.=) h.pid
- ORDER BY h.slot;
-COMMENT ON VIEW stage_e_slot_holders IS
-  'One row per held slot in the current database, from the lock manager, with the holder''s session.';
-GRANT SELECT ON stage_e_slot_holders TO PUBLIC;
-"#,
-    name = "stage_e_slot_holders_view",
-    requires = [stage_e_slot_holders_internal],
+for_each_counter!(counter_table_fn,
+    /// Adds every cap's pending counts to its stage_e_throttle_counter row now; returns what it
+    /// added, per cap. Restricted (EXECUTE revoked from PUBLIC): superusers and the owner.
+    #[pg_extern(volatile, parallel_unsafe, name = "stage_e_flush")]
+    fn stage_e_flush_v2() -> (cap: String) {
+        slots::ready().unwrap_or_else(|e| raise(e));
+        flush::flush(Write::Add, None, true)
+            .unwrap_or_else(|e| raise_flush(e))
+            .unwrap_or_else(|| raise_not_installed())
+            .into_iter()
+            .map(|(cap, v)| ((cap,), v))
+            .collect()
+    }
 );
 
-/// The counter columns, in `CounterValues::NAMES` order. (pgrx needs the tuple spelt out in
-/// each signature, so the two functions below repeat it.)
-type CounterRow = (
-    name!(acquired, i64),
-    name!(throttled, i64),
-    name!(released, i64),
-    name!(foreign_releases, i64),
-    name!(released_by_exit, i64),
-);
-
-fn counter_row(v: CounterValues) -> TableIterator<'static, CounterRow> {
-    let [a, t, r, f, x] = v.to_array().map(|v| v as i64);
-    TableIterator::once((a, t, r, f, x))
-}
-
-/// Adds this database's pending counts to stage_e_throttle_counter now; returns what it added.
-/// Restricted (EXECUTE revoked from PUBLIC): superusers and the extension owner.
-#[pg_extern(volatile, parallel_unsafe)]
-fn stage_e_flush() -> TableIterator<
-    'static,
-    (
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    slots::ready().unwrap_or_else(|e| raise(e));
-    let added = flush::flush(Write::Add, true).unwrap_or_else(|e| raise_flush(e));
-    counter_row(added.unwrap_or_default())
-}
-
-/// Zeroes this database's stage_e_throttle_counter row and its pending counts. Restricted.
+/// Zeroes every cap's stage_e_throttle_counter row and pending counts. Restricted.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_reset_stats() {
+    reset(None)
+}
+
+/// Zeroes one cap's row and pending counts. Restricted.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_reset_stats")]
+fn stage_e_reset_stats_cap(cap: Option<&str>) {
+    let cap = slots::cap_key(cap)
+        .map(|_| cap)
+        .unwrap_or_else(|e| raise(e));
+    reset(cap)
+}
+
+fn reset(cap: Option<&str>) {
     slots::ready().unwrap_or_else(|e| raise(e));
-    let dropped = flush::flush(Write::Reset, true)
+    let dropped: u64 = flush::flush(Write::Reset, cap, true)
         .unwrap_or_else(|e| raise_flush(e))
-        .unwrap_or_default();
+        .unwrap_or_else(|| raise_not_installed())
+        .iter()
+        .map(|(_, v)| v.throttled)
+        .sum();
+    let what = match cap {
+        Some(c) => format!("cap \"{c}\" of database \"{}\"", sql::current_database()),
+        None => format!("database \"{}\"", sql::current_database()),
+    };
     log!(
-        "stage_e_slots: counters of database \"{}\" reset by role \"{}\" (table zeroed, {} pending throttles dropped)",
-        sql::current_database(),
-        sql::current_role(),
-        dropped.throttled
+        "stage_e_slots: counters of {what} reset by role \"{}\" (table zeroed, {dropped} pending \
+         throttles dropped)",
+        sql::current_role()
     );
 }
 
-/// Counts not yet flushed. `row_flush_id` is the flush_id of the row the caller read (the view
-/// passes it) so that a flush committing at that moment is not counted twice.
-#[pg_extern(volatile, parallel_unsafe)]
-fn stage_e_pending(
-    row_flush_id: default!(Option<i64>, "NULL"),
-) -> TableIterator<
-    'static,
-    (
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    counter_row(flush::pending(row_flush_id).unwrap_or_else(|e| raise(e)))
-}
+for_each_counter!(counter_table_fn,
+    /// Counts not yet in the table, per cap in use. `row_flush_id` is the newest flush_id among
+    /// the rows the caller read (the view passes it) so that a flush committing at that moment
+    /// is not counted twice.
+    #[pg_extern(volatile, parallel_unsafe, name = "stage_e_pending")]
+    fn stage_e_pending_v2(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
+        slots::attached().unwrap_or_else(|e| raise(e));
+        flush::pending(row_flush_id)
+            .into_iter()
+            .map(|(cap, v)| ((cap,), v))
+            .collect()
+    }
+);
+
+// -- snapshot ------------------------------------------------------------------------------------
 
 #[derive(Serialize)]
 struct SnapshotConfig {
     max_slots: u32,
     lock_key: i32,
-    max_databases: u32,
+    max_caps: u32,
+    slot_memory_kb: u64,
     flush_interval_ms: u64,
 }
 
 #[derive(Serialize)]
+struct SnapshotMemory {
+    caps_in_use: u32,
+    max_caps: u32,
+    slot_pages_free: u64,
+    slot_pages: u32,
+}
+
+#[derive(Serialize)]
+struct SnapshotCap {
+    cap: String,
+    key: i32,
+    held: u32,
+    /// flushed + pending: what stage_e_throttle_totals shows.
+    totals: CounterValues,
+    flushed: CounterValues,
+    flushed_at: Option<String>,
+    pending: CounterValues,
+}
+
+#[derive(Serialize)]
 struct SnapshotHolder {
+    cap: String,
     slot: i32,
     pid: i32,
     acquired_at: Option<String>,
@@ -313,155 +253,152 @@ struct SnapshotHolder {
 struct Snapshot {
     database: String,
     config: SnapshotConfig,
-    /// flushed + pending: what stage_e_throttle_totals shows.
-    totals: CounterValues,
-    flushed: CounterValues,
-    flushed_at: Option<String>,
-    pending: CounterValues,
+    memory: SnapshotMemory,
     held: u32,
+    caps: Vec<SnapshotCap>,
     holders: Vec<SnapshotHolder>,
 }
 
-/// Configuration, totals, pending counts and current holders as one jsonb document, for
-/// monitoring agents (postgres_exporter custom queries, Grafana).
-#[pg_extern(volatile, parallel_unsafe)]
-fn stage_e_snapshot() -> pgrx::JsonB {
+/// Configuration, per-cap totals and pending counts, and current holders as one jsonb
+/// document, for monitoring agents (postgres_exporter custom queries, Grafana).
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_snapshot")]
+fn stage_e_snapshot_v2() -> pgrx::JsonB {
+    pgrx::JsonB(snapshot_document())
+}
+
+/// The snapshot document (also behind 0.1.0's `stage_e_snapshot`, see `compat`).
+pub fn snapshot_document() -> serde_json::Value {
     let stats = slots::stats().unwrap_or_else(|e| raise(e));
-    let Some(schema) = sql::extension_schema() else {
+    let Some(ext) = sql::extension() else {
         raise_not_installed()
+    };
+    let schema = &ext.schema;
+    // A database still at 0.1.0 has one row and no cap column: it is the cap `default`.
+    let cap_col = if ext.at_0_1_0() {
+        "'default'::pg_catalog.text"
+    } else {
+        "cap"
     };
     // Read-only statements (no transaction id): this works on a standby and in a READ ONLY
     // transaction, like the views.
     let read = sql::read(|c| {
         let cols = CounterValues::NAMES.join(", ");
-        let rows = c.select(
-            &format!(
-                "SELECT {cols}, flushed_at::pg_catalog.text, flush_id \
-                   FROM {schema}.stage_e_throttle_counter"
-            ),
-            Some(1),
-            &[],
-        )?;
-        let (flushed, flushed_at, flush_id) = match rows.into_iter().next() {
-            None => (CounterValues::default(), None, None),
-            Some(row) => {
-                let mut v = [0u64; 5];
+        let rows = c
+            .select(
+                &format!(
+                    "SELECT {cap_col}, {cols}, flushed_at::pg_catalog.text, flush_id \
+                       FROM {schema}.stage_e_throttle_counter ORDER BY 1"
+                ),
+                None,
+                &[],
+            )?
+            .map(|row| {
+                let mut v = [0u64; crate::counters::COUNT];
                 for (i, x) in v.iter_mut().enumerate() {
-                    *x = row.get::<i64>(i + 1)?.unwrap_or(0) as u64;
+                    *x = row.get::<i64>(i + 2)?.unwrap_or(0) as u64;
                 }
-                (
+                Ok((
+                    row.get::<String>(1)?.unwrap_or_default(),
                     CounterValues::from_array(v),
-                    row.get::<String>(6)?,
-                    row.get::<i64>(7)?,
-                )
-            }
-        };
+                    row.get::<String>(crate::counters::COUNT + 2)?,
+                    row.get::<i64>(crate::counters::COUNT + 3)?.unwrap_or(0),
+                ))
+            })
+            .collect::<Result<Vec<_>, pgrx::spi::Error>>()?;
         let holders = c
             .select(
                 &format!(
-                    "SELECT slot, pid, acquired_at::pg_catalog.text, application_name, \
-                            state FROM {schema}.stage_e_slot_holders"
+                    "SELECT {cap_col}, slot, pid, acquired_at::pg_catalog.text, \
+                            application_name, state FROM {schema}.stage_e_slot_holders"
                 ),
                 None,
                 &[],
             )?
             .map(|r| {
                 Ok(SnapshotHolder {
-                    slot: r.get::<i32>(1)?.unwrap_or_default(),
-                    pid: r.get::<i32>(2)?.unwrap_or_default(),
-                    acquired_at: r.get::<String>(3)?,
-                    application_name: r.get::<String>(4)?,
-                    state: r.get::<String>(5)?,
+                    cap: r.get::<String>(1)?.unwrap_or_default(),
+                    slot: r.get::<i32>(2)?.unwrap_or_default(),
+                    pid: r.get::<i32>(3)?.unwrap_or_default(),
+                    acquired_at: r.get::<String>(4)?,
+                    application_name: r.get::<String>(5)?,
+                    state: r.get::<String>(6)?,
                 })
             })
             .collect::<Result<Vec<_>, pgrx::spi::Error>>()?;
-        Ok((flushed, flushed_at, flush_id, holders))
+        Ok((rows, holders))
     });
-    let (flushed, flushed_at, flush_id, holders) = read.unwrap_or_else(|e| raise_spi(e));
-    let pending = flush::pending(flush_id).unwrap_or_else(|e| raise(e));
+    let (rows, holders) = read.unwrap_or_else(|e| raise_internal(format!("{e}")));
+    let newest = rows.iter().map(|r| r.3).max();
+    let pending = flush::pending(newest);
+    let mut names: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
+    names.extend(pending.iter().map(|p| p.0.clone()));
+    names.sort();
+    names.dedup();
+    let caps = names
+        .into_iter()
+        .map(|cap| {
+            let row = rows.iter().find(|r| r.0 == cap);
+            let flushed = row.map(|r| r.1).unwrap_or_default();
+            let pending = pending
+                .iter()
+                .find(|p| p.0 == cap)
+                .map(|p| p.1)
+                .unwrap_or_default();
+            SnapshotCap {
+                key: shmem::cap_key(&cap),
+                held: stats.iter().find(|s| s.cap == cap).map_or(0, |s| s.held),
+                totals: flushed.plus(pending),
+                flushed,
+                flushed_at: row.and_then(|r| r.2.clone()),
+                pending,
+                cap,
+            }
+        })
+        .collect();
+    let (caps_in_use, max_caps, slot_pages_free, slot_pages) = shmem::usage();
     let snapshot = Snapshot {
         database: sql::current_database(),
         config: SnapshotConfig {
             max_slots: gucs::max_slots(),
             lock_key: gucs::lock_key(),
-            max_databases: gucs::max_databases(),
+            max_caps: gucs::max_caps(),
+            slot_memory_kb: gucs::slot_memory_bytes() as u64 / 1024,
             flush_interval_ms: gucs::flush_interval().as_millis() as u64,
         },
-        totals: flushed.plus(pending),
-        flushed,
-        flushed_at,
-        pending,
-        held: stats.held,
+        memory: SnapshotMemory {
+            caps_in_use,
+            max_caps,
+            slot_pages_free,
+            slot_pages,
+        },
+        held: holders.len() as u32,
+        caps,
         holders,
     };
-    match serde_json::to_value(snapshot) {
-        Ok(v) => pgrx::JsonB(v),
-        Err(e) => raise_spi_text(format!("could not build the snapshot: {e}")),
-    }
+    serde_json::to_value(snapshot)
+        .unwrap_or_else(|e| raise_internal(format!("could not build the snapshot: {e}")))
 }
 
-fn raise_not_installed() -> ! {
-    ErrorReport::new(
-        PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
-        "extension \"stage_e_slots\" is not installed in this database",
-        "stage_e_slots",
-    )
-    .set_hint("CREATE EXTENSION stage_e_slots;")
-    .report(PgLogLevel::ERROR);
-    unreachable!("ereport(ERROR) does not return")
-}
+// -- tables and views (sql/schema/) --------------------------------------------------------------
 
-fn raise_spi(e: pgrx::spi::Error) -> ! {
-    raise_spi_text(format!("stage_e_slots could not read its tables: {e}"))
-}
+extension_sql_file!("../sql/schema/counter_table.sql", name = "counter_table");
 
-fn raise_spi_text(message: String) -> ! {
-    ErrorReport::new(
-        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-        message,
-        "stage_e_slots",
-    )
-    .report(PgLogLevel::ERROR);
-    unreachable!("ereport(ERROR) does not return")
-}
-
-extension_sql!(
-    r#"
-CREATE TABLE stage_e_throttle_counter (
-    id               boolean PRIMARY KEY DEFAULT true CHECK (id),
-    acquired         bigint NOT NULL DEFAULT 0,
-    throttled        bigint NOT NULL DEFAULT 0,
-    released         bigint NOT NULL DEFAULT 0,
-    foreign_releases bigint NOT NULL DEFAULT 0,
-    released_by_exit bigint NOT NULL DEFAULT 0,
-    flushed_at       timestamptz,
-    flush_id         bigint NOT NULL DEFAULT 0
+extension_sql_file!(
+    "../sql/schema/views.sql",
+    name = "views",
+    requires = [
+        "counter_table",
+        stage_e_pending_v2,
+        stage_e_slot_holders_internal_v2
+    ],
 );
-COMMENT ON TABLE stage_e_throttle_counter IS
-  'Durable stage_e_slots counters of this database: one row, written by the first flush and added to once per flush interval.';
--- No row is inserted here: pg_dump keeps the table's data, and a restore (which runs
--- CREATE EXTENSION first) must find the table empty. The first flush inserts the row.
-SELECT pg_catalog.pg_extension_config_dump('stage_e_throttle_counter', '');
-GRANT SELECT ON stage_e_throttle_counter TO PUBLIC;
 
-CREATE VIEW stage_e_throttle_totals AS
-SELECT COALESCE(c.acquired, 0) OPERATOR(pg_catalog.+) p.acquired                 AS acquired,
-       COALESCE(c.throttled, 0) OPERATOR(pg_catalog.+) p.throttled               AS throttled,
-       COALESCE(c.released, 0) OPERATOR(pg_catalog.+) p.released                 AS released,
-       COALESCE(c.foreign_releases, 0) OPERATOR(pg_catalog.+) p.foreign_releases AS foreign_releases,
-       COALESCE(c.released_by_exit, 0) OPERATOR(pg_catalog.+) p.released_by_exit AS released_by_exit,
-       p.throttled                                                               AS pending_throttled,
-       c.flushed_at
-  FROM (VALUES (true)) AS always (one_row)
-  LEFT JOIN @extschema@.stage_e_throttle_counter AS c ON true
- CROSS JOIN LATERAL @extschema@.stage_e_pending(c.flush_id) AS p;
-COMMENT ON VIEW stage_e_throttle_totals IS
-  'Exact live totals: the flushed row plus the counts still pending in shared memory.';
-GRANT SELECT ON stage_e_throttle_totals TO PUBLIC;
-
-REVOKE EXECUTE ON FUNCTION stage_e_flush() FROM PUBLIC;
-REVOKE EXECUTE ON FUNCTION stage_e_reset_stats() FROM PUBLIC;
-"#,
-    name = "stage_e_throttle_counter",
-    requires = [stage_e_pending, stage_e_flush, stage_e_reset_stats],
+extension_sql_file!(
+    "../sql/schema/privileges.sql",
+    name = "privileges",
+    requires = [
+        stage_e_flush_v2,
+        stage_e_reset_stats,
+        stage_e_reset_stats_cap
+    ],
 );

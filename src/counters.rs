@@ -3,45 +3,44 @@
 
 use serde::Serialize;
 
-/// One value per counter of `stage_e_stats()`, in that order.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct CounterValues {
-    pub acquired: u64,
-    pub throttled: u64,
-    pub released: u64,
-    pub foreign_releases: u64,
-    pub released_by_exit: u64,
+/// The counters, in the order of every table and function that shows them: the one list in
+/// Rust. `for_each_counter!(m, rest…)` calls `m!([names…] rest…)`; [`CounterValues`] and the
+/// SQL functions' result columns (`api`) are made from it. (SQL names them in `sql/`.)
+macro_rules! for_each_counter {
+    ($m:ident $(, $($rest:tt)*)?) => {
+        $m! { [acquired, throttled, released, foreign_releases, released_by_exit] $($($rest)*)? }
+    };
 }
 
-impl CounterValues {
-    pub const NAMES: [&'static str; 5] = [
-        "acquired",
-        "throttled",
-        "released",
-        "foreign_releases",
-        "released_by_exit",
-    ];
+macro_rules! counters {
+    ([$($name:ident),*]) => {
+        /// How many counters there are.
+        pub const COUNT: usize = [$(stringify!($name)),*].len();
 
-    pub fn to_array(self) -> [u64; 5] {
-        [
-            self.acquired,
-            self.throttled,
-            self.released,
-            self.foreign_releases,
-            self.released_by_exit,
-        ]
-    }
-
-    pub fn from_array(a: [u64; 5]) -> Self {
-        CounterValues {
-            acquired: a[0],
-            throttled: a[1],
-            released: a[2],
-            foreign_releases: a[3],
-            released_by_exit: a[4],
+        /// One value per counter of `stage_e_stats()`, in that order.
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+        pub struct CounterValues {
+            $(pub $name: u64,)*
         }
-    }
 
+        impl CounterValues {
+            pub const NAMES: [&'static str; COUNT] = [$(stringify!($name)),*];
+
+            pub fn to_array(self) -> [u64; COUNT] {
+                [$(self.$name),*]
+            }
+
+            pub fn from_array(a: [u64; COUNT]) -> Self {
+                let mut it = a.into_iter();
+                CounterValues { $($name: it.next().unwrap_or_default(),)* }
+            }
+        }
+    };
+}
+
+for_each_counter!(counters);
+
+impl CounterValues {
     fn zip(self, other: Self, f: impl Fn(u64, u64) -> u64) -> Self {
         let (a, b) = (self.to_array(), other.to_array());
         Self::from_array(std::array::from_fn(|i| f(a[i], b[i])))
@@ -84,39 +83,61 @@ impl FlushState {
     }
 }
 
-const FILE_HEADER: &str = "stage_e_slots pending counters v1";
+/// Pending counts of one cap, as written at a clean shutdown and read at the next start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Carried {
+    pub database: u32,
+    pub cap: String,
+    pub values: CounterValues,
+}
 
-/// Pending counts per database OID, as written at clean shutdown.
-pub fn encode(pending: &[(u32, CounterValues)]) -> String {
+const FILE_HEADER_V1: &str = "stage_e_slots pending counters v1";
+const FILE_HEADER: &str = "stage_e_slots pending counters v2";
+
+/// One line per cap: database OID, the cap name in hex (names may hold any character), then
+/// the counters in `NAMES` order.
+pub fn encode(pending: &[Carried]) -> String {
     let mut out = format!("{FILE_HEADER}\n");
-    for (db, v) in pending {
-        let nums: Vec<String> = v.to_array().iter().map(u64::to_string).collect();
-        out.push_str(&format!("{db} {}\n", nums.join(" ")));
+    for c in pending {
+        let hex: String = c.cap.bytes().map(|b| format!("{b:02x}")).collect();
+        let nums: Vec<String> = c.values.to_array().iter().map(u64::to_string).collect();
+        out.push_str(&format!("{} {hex} {}\n", c.database, nums.join(" ")));
     }
     out
 }
 
-/// Parses [`encode`]'s output; None if the file is not in that format (it is then ignored,
-/// like pg_stat_statements ignores a dump file of another version).
-pub fn decode(text: &str) -> Option<Vec<(u32, CounterValues)>> {
+/// Parses [`encode`]'s output, or the v1 file of 0.1.0 (one line per database, which had the
+/// `default` cap only); None if the file is in neither format (it is then ignored, as
+/// pg_stat_statements ignores a dump file of another version).
+pub fn decode(text: &str) -> Option<Vec<Carried>> {
     let mut lines = text.lines();
-    if lines.next()? != FILE_HEADER {
-        return None;
-    }
+    let v1 = match lines.next()? {
+        FILE_HEADER => false,
+        FILE_HEADER_V1 => true,
+        _ => return None,
+    };
     lines
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
-            let nums: Vec<u64> = l
-                .split_whitespace()
-                .map(|w| w.parse().ok())
-                .collect::<Option<_>>()?;
-            let [db, a, b, c, d, e] = nums[..] else {
-                return None;
+            let mut words = l.split_whitespace();
+            let database = words.next()?.parse().ok()?;
+            let cap = if v1 {
+                crate::directory::DEFAULT_CAP.to_string()
+            } else {
+                let hex = words.next()?;
+                let bytes: Option<Vec<u8>> = (0..hex.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+                    .collect();
+                String::from_utf8(bytes?).ok()?
             };
-            Some((
-                u32::try_from(db).ok()?,
-                CounterValues::from_array([a, b, c, d, e]),
-            ))
+            let nums: Vec<u64> = words.map(|w| w.parse().ok()).collect::<Option<_>>()?;
+            let values = CounterValues::from_array(nums.try_into().ok()?);
+            Some(Carried {
+                database,
+                cap,
+                values,
+            })
         })
         .collect()
 }
@@ -142,18 +163,44 @@ mod unit {
 
     #[test]
     fn file_round_trip() {
-        let pending = vec![(16384, v(1)), (4_000_000_000, v(u64::MAX - 10))];
+        let pending = vec![
+            Carried {
+                database: 16384,
+                cap: "default".into(),
+                values: v(1),
+            },
+            Carried {
+                database: 4_000_000_000,
+                cap: "tenant 7\nwith spaces, é".into(),
+                values: v(u64::MAX - 10),
+            },
+        ];
         assert_eq!(decode(&encode(&pending)), Some(pending));
         assert_eq!(decode(&encode(&[])), Some(vec![]));
+    }
+
+    #[test]
+    fn reads_the_file_of_0_1_0_as_the_default_cap() {
+        let text = format!("{FILE_HEADER_V1}\n16384 1 2 3 4 5\n");
+        assert_eq!(
+            decode(&text),
+            Some(vec![Carried {
+                database: 16384,
+                cap: "default".into(),
+                values: CounterValues::from_array([1, 2, 3, 4, 5]),
+            }])
+        );
     }
 
     #[test]
     fn foreign_or_damaged_files_are_rejected() {
         assert_eq!(decode(""), None);
         assert_eq!(decode("some other file\n1 2 3 4 5 6\n"), None);
-        assert_eq!(decode(&format!("{FILE_HEADER}\n1 2 3\n")), None);
-        assert_eq!(decode(&format!("{FILE_HEADER}\n1 2 3 4 5 x\n")), None);
-        assert_eq!(decode(&format!("{FILE_HEADER}\n-1 2 3 4 5 6\n")), None);
+        assert_eq!(decode(&format!("{FILE_HEADER}\n1 61 3\n")), None);
+        assert_eq!(decode(&format!("{FILE_HEADER}\n1 61 2 3 4 5 x\n")), None);
+        assert_eq!(decode(&format!("{FILE_HEADER}\n-1 61 2 3 4 5 6\n")), None);
+        assert_eq!(decode(&format!("{FILE_HEADER}\n1 6 2 3 4 5 6\n")), None);
+        assert_eq!(decode(&format!("{FILE_HEADER}\n1 ff 2 3 4 5 6\n")), None);
     }
 
     fn state(counters: u64, flushed: u64, inflight: u64, inflight_id: u64) -> FlushState {

@@ -1,28 +1,30 @@
-//! Making the counters durable: each database's pending counts are added to its one-row table
-//! `stage_e_throttle_counter` in one committed transaction, by the background flusher (see
-//! `worker`) or by `stage_e_flush()`.
+//! Making the counters durable: each cap's pending counts are added to its row of
+//! `stage_e_throttle_counter` (one row per cap, keyed by name) in one committed transaction, by
+//! the background flusher (see `worker`) or by `stage_e_flush()`. One statement per database
+//! and flush, writing only the caps with new counts.
 //!
-//! Exactly once: a flush reads the pool's bookkeeping, writes the delta in its transaction and
-//! marks the pool's in-flight delta with the flush id it also writes into the row. Only when
-//! that transaction commits does the pool advance (`session`'s transaction-end hook calls
-//! [`Pool::commit_flush`]); if it aborts, the delta simply stays pending. One flusher per pool
-//! at a time (a pid in shared memory), so two flushes never take the same delta.
+//! Exactly once: a flush takes each cap's flusher role, reads its bookkeeping, writes the
+//! deltas in its transaction and marks each cap's in-flight delta with the flush id it also
+//! writes into the rows. Only when that transaction commits does a cap advance (`session`'s
+//! transaction-end hook); if it aborts, the deltas simply stay pending.
 //!
 //! Savepoints: a flush made in a subtransaction is settled when that subtransaction aborts
-//! (`ROLLBACK TO`, a PL/pgSQL EXCEPTION block): the row change is undone, so the delta is pending
-//! again. If the subtransaction commits, the flush belongs to its parent and is settled there.
+//! (`ROLLBACK TO`, a PL/pgSQL EXCEPTION block): the row changes are undone, so the deltas are
+//! pending again. If the subtransaction commits, the flush belongs to its parent.
+//!
+//! A database still at version 0.1.0 (its library updated, `ALTER EXTENSION UPDATE` not yet
+//! run) has the old one-row table: its `default` cap is written there, as 0.1.0 did.
 
 use crate::counters::CounterValues;
+use crate::directory::DEFAULT_CAP;
 use crate::session;
-use crate::shmem::Pool;
-use crate::slots::{self, SlotError};
-use crate::sql;
+use crate::shmem::{self, Cap};
+use crate::slots::SlotError;
+use crate::sql::{self, Extension};
 
 #[derive(Debug)]
 pub enum FlushError {
     Slots(SlotError),
-    /// Another process is flushing this database and the caller chose not to wait.
-    Busy,
     /// This transaction already flushed: a second flush would wait for itself.
     AgainInThisTransaction,
     /// SPI refused the statement (not an ERROR, which propagates as one).
@@ -35,105 +37,204 @@ impl From<SlotError> for FlushError {
     }
 }
 
-/// What a flush writes into the row.
+/// What a flush writes into the rows.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Write {
     /// Add the pending counts (stage_e_flush, the background flusher).
     Add,
-    /// Zero the row and drop the pending counts (stage_e_reset_stats).
+    /// Zero the rows and drop the pending counts (stage_e_reset_stats).
     Reset,
 }
 
-/// Flushes (or resets) the current database in the current transaction. Returns the counts
-/// written, or None when the extension is not installed here. With `wait`, waits for another
-/// process's flush of this database to end; without, returns `Busy`.
-pub fn flush(write: Write, wait: bool) -> Result<Option<CounterValues>, FlushError> {
-    let Some(schema) = sql::extension_schema() else {
+/// Flushes (or resets) the current database's caps (or only `only`) in the current
+/// transaction. Returns the counts written per cap, or None when the extension is not
+/// installed here. With `wait`, waits for another process's flush of a cap to end; without,
+/// leaves that cap to it.
+pub fn flush(
+    write: Write,
+    only: Option<&str>,
+    wait: bool,
+) -> Result<Option<Vec<(String, CounterValues)>>, FlushError> {
+    let Some(ext) = sql::extension() else {
         return Ok(None);
     };
-    let Some(pool) = slots::pool_of_this_database()? else {
-        // No activity since server start: nothing is pending. A reset still zeroes the row.
-        if write == Write::Reset {
-            upsert(&schema, write, CounterValues::default(), 0)?;
-        }
-        return Ok(Some(CounterValues::default()));
-    };
-    become_flusher(pool, wait)?;
-    let read = pool.flush_state();
-    let delta = read.pending(None);
-    let id = pool.next_flush_id(session::statement_start().max(0) as u64);
-    // From here on the transaction's end settles the flush, whichever way it ends.
-    session::flush_started(pool, read);
-    pool.set_inflight(id, delta);
-    upsert(&schema, write, delta, id)?;
-    Ok(Some(delta))
-}
-
-fn become_flusher(pool: Pool, wait: bool) -> Result<(), FlushError> {
+    if session::flushing() {
+        return Err(FlushError::AgainInThisTransaction);
+    }
     let me = session::pid();
-    loop {
-        if pool.try_begin_flush(me) {
-            return Ok(());
+    let mut taken = Vec::new();
+    for cap in shmem::caps(Some(session::database().to_u32())) {
+        let name = cap.name();
+        if only.is_some_and(|o| o != name) || (ext.at_0_1_0() && name != DEFAULT_CAP) {
+            continue;
         }
-        match pool.flusher() {
-            Some(pid) if pid == me => return Err(FlushError::AgainInThisTransaction),
-            Some(_) if !wait => return Err(FlushError::Busy),
-            _ => session::nap_ms(10),
+        if !become_flusher(&cap, me, wait) {
+            continue;
         }
+        let read = cap.flush_state();
+        let delta = read.pending(None);
+        if write == Write::Add && delta.is_zero() {
+            cap.flushed().abort(); // nothing new: give the role back, write no row
+            continue;
+        }
+        taken.push((cap, name, read, delta));
     }
-}
-
-fn upsert(schema: &str, write: Write, delta: CounterValues, id: u64) -> Result<(), FlushError> {
-    let set = match write {
-        Write::Add => CounterValues::NAMES
-            .iter()
-            .map(|c| format!("{c} = t.{c} OPERATOR(pg_catalog.+) excluded.{c}"))
-            .collect::<Vec<_>>(),
-        Write::Reset => CounterValues::NAMES
-            .iter()
-            .map(|c| format!("{c} = 0"))
+    let id = shmem::next_flush_id(session::statement_start().max(0) as u64);
+    for (cap, _, _, delta) in &taken {
+        cap.set_inflight(id, *delta);
+    }
+    // From here on the transaction's end settles the flush, whichever way it ends.
+    let written: Vec<(String, CounterValues)> = taken
+        .iter()
+        .map(|(_, name, _, delta)| (name.clone(), *delta))
+        .collect();
+    session::flush_started(
+        taken
+            .into_iter()
+            .map(|(cap, _, read, _)| (cap.flushed(), read))
             .collect(),
-    };
-    let query = format!(
-        "INSERT INTO {schema}.stage_e_throttle_counter AS t \
-           (id, {cols}, flushed_at, flush_id) \
-         VALUES (true, $1, $2, $3, $4, $5, pg_catalog.now(), $6) \
-         ON CONFLICT (id) DO UPDATE SET {set}, flushed_at = excluded.flushed_at, \
-           flush_id = excluded.flush_id",
-        cols = CounterValues::NAMES.join(", "),
-        set = set.join(", "),
     );
-    let v = match write {
-        Write::Add => delta.to_array().map(|x| x as i64),
-        Write::Reset => [0; 5],
-    };
-    sql::write(
-        &query,
-        &[
-            v[0].into(),
-            v[1].into(),
-            v[2].into(),
-            v[3].into(),
-            v[4].into(),
-            (id as i64).into(),
-        ],
-    )
-    .map_err(FlushError::Spi)
-}
-
-/// Pending counts of the current database, as seen by a reader of the row with `row_flush_id`.
-pub fn pending(row_flush_id: Option<i64>) -> Result<CounterValues, SlotError> {
-    Ok(slots::pool_of_this_database()?
-        .map(|p| p.flush_state().pending(row_flush_id.map(|id| id as u64)))
-        .unwrap_or_default())
-}
-
-/// Drops a pool's pending counts (its database or its extension is gone). False if busy.
-pub fn discard_pending(pool: Pool) -> bool {
-    if !pool.try_begin_flush(session::pid()) {
-        return false;
+    match write {
+        Write::Add if !written.is_empty() => add(&ext, &written, id)?,
+        Write::Add => {}
+        Write::Reset => reset(&ext, only, id)?,
     }
-    let read = pool.flush_state();
-    pool.commit_flush(&read);
-    true
+    Ok(Some(written))
+}
+
+fn become_flusher(cap: &Cap, me: i32, wait: bool) -> bool {
+    loop {
+        if cap.try_begin_flush(me) {
+            return true;
+        }
+        if !wait {
+            return false;
+        }
+        session::nap_ms(10);
+    }
+}
+
+/// One statement adding every cap's delta to its row (inserted on a cap's first flush).
+fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(), FlushError> {
+    let cols = CounterValues::NAMES.join(", ");
+    let set: Vec<String> = CounterValues::NAMES
+        .iter()
+        .map(|c| format!("{c} = t.{c} OPERATOR(pg_catalog.+) excluded.{c}"))
+        .collect();
+    let schema = &ext.schema;
+    let n = CounterValues::NAMES.len();
+    let query = if ext.at_0_1_0() {
+        let params: Vec<String> = (1..=n).map(|i| format!("${i}")).collect();
+        format!(
+            "INSERT INTO {schema}.stage_e_throttle_counter AS t (id, {cols}, flushed_at, flush_id) \
+             VALUES (true, {}, pg_catalog.now(), ${}) \
+             ON CONFLICT (id) DO UPDATE SET {}, flushed_at = excluded.flushed_at, \
+               flush_id = excluded.flush_id",
+            params.join(", "),
+            n + 1,
+            set.join(", ")
+        )
+    } else {
+        // ROWS FROM with one unnest per array: the multi-argument unnest shorthand only
+        // exists unqualified.
+        let arrays: Vec<String> = (1..=n + 1)
+            .map(|i| format!("pg_catalog.unnest(${i})"))
+            .collect();
+        format!(
+            "INSERT INTO {schema}.stage_e_throttle_counter AS t (cap, {cols}, flushed_at, flush_id) \
+             SELECT u.*, pg_catalog.now(), ${} FROM ROWS FROM ({}) AS u (cap, {cols}) \
+             ON CONFLICT (cap) DO UPDATE SET {}, flushed_at = excluded.flushed_at, \
+               flush_id = excluded.flush_id",
+            n + 2,
+            arrays.join(", "),
+            set.join(", ")
+        )
+    };
+    let id = id as i64;
+    let result = if ext.at_0_1_0() {
+        let v = deltas[0].1.to_array().map(|x| x as i64);
+        let mut args: Vec<pgrx::datum::DatumWithOid> = v.iter().map(|&x| x.into()).collect();
+        args.push(id.into());
+        sql::write(&query, &args)
+    } else {
+        let names: Vec<String> = deltas.iter().map(|(c, _)| c.clone()).collect();
+        let columns: Vec<Vec<i64>> = (0..n)
+            .map(|i| deltas.iter().map(|(_, v)| v.to_array()[i] as i64).collect())
+            .collect();
+        let mut args: Vec<pgrx::datum::DatumWithOid> = vec![names.into()];
+        args.extend(columns.into_iter().map(Into::into));
+        args.push(id.into());
+        sql::write(&query, &args)
+    };
+    result.map_err(FlushError::Spi)
+}
+
+/// Zeroes the rows (all, or `only`'s).
+fn reset(ext: &Extension, only: Option<&str>, id: u64) -> Result<(), FlushError> {
+    let schema = &ext.schema;
+    let zero: Vec<String> = CounterValues::NAMES
+        .iter()
+        .map(|c| format!("{c} = 0"))
+        .collect();
+    let id = id as i64;
+    let result = match only {
+        _ if ext.at_0_1_0() => sql::write(
+            &format!(
+                "UPDATE {schema}.stage_e_throttle_counter SET {}, flushed_at = pg_catalog.now(), \
+                 flush_id = $1",
+                zero.join(", ")
+            ),
+            &[id.into()],
+        ),
+        None => sql::write(
+            &format!(
+                "UPDATE {schema}.stage_e_throttle_counter SET {}, flushed_at = pg_catalog.now(), \
+                 flush_id = $1",
+                zero.join(", ")
+            ),
+            &[id.into()],
+        ),
+        Some(cap) => sql::write(
+            &format!(
+                "UPDATE {schema}.stage_e_throttle_counter SET {}, flushed_at = pg_catalog.now(), \
+                 flush_id = $1 WHERE cap OPERATOR(pg_catalog.=) $2",
+                zero.join(", ")
+            ),
+            &[id.into(), cap.into()],
+        ),
+    };
+    result.map_err(FlushError::Spi)
+}
+
+/// Pending counts of the current database's caps, as seen by a reader whose newest row has
+/// flush id `row_flush_id` (the totals view passes it: a flush that reader already sees is
+/// not counted twice). One entry per cap in use, zeros included.
+pub fn pending(row_flush_id: Option<i64>) -> Vec<(String, CounterValues)> {
+    let mut out: Vec<(String, CounterValues)> = shmem::caps(Some(session::database().to_u32()))
+        .into_iter()
+        .map(|cap| {
+            let p = cap.flush_state().pending(row_flush_id.map(|id| id as u64));
+            (cap.name(), p)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Drops the current database's pending counts (its extension is gone: the table with it).
+/// Returns how many caps had some.
+pub fn discard_pending() -> usize {
+    let me = session::pid();
+    let mut dropped = 0;
+    for cap in shmem::caps(Some(session::database().to_u32())) {
+        if !cap.try_begin_flush(me) {
+            continue;
+        }
+        let read = cap.flush_state();
+        if !read.pending(None).is_zero() {
+            dropped += 1;
+        }
+        cap.flushed().commit(&read);
+    }
+    dropped
 }

@@ -8,22 +8,25 @@ use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 pub const DEFAULT_LOCK_KEY: i32 = 20_260_725;
 pub const DEFAULT_MAX_SLOTS: i32 = 1024;
 pub const MAX_MAX_SLOTS: i32 = 65_536;
-pub const DEFAULT_MAX_DATABASES: i32 = 16;
-pub const MAX_MAX_DATABASES: i32 = 1024;
+pub const DEFAULT_MAX_CAPS: i32 = 4096;
+pub const MAX_MAX_CAPS: i32 = 1 << 20;
+pub const DEFAULT_SLOT_MEMORY_KB: i32 = 2048;
+pub const MAX_SLOT_MEMORY_KB: i32 = 1 << 20;
 pub const DEFAULT_FLUSH_INTERVAL_MS: i32 = 10_000;
 pub const MIN_FLUSH_INTERVAL_MS: i32 = 100;
 pub const MAX_FLUSH_INTERVAL_MS: i32 = 3_600_000;
 
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
-static MAX_DATABASES: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_DATABASES);
+static MAX_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_CAPS);
+static SLOT_MEMORY_KB: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_SLOT_MEMORY_KB);
 static FLUSH_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_FLUSH_INTERVAL_MS);
 
 pub fn init() {
     GucRegistry::define_int_guc(
         c"stage_e_slots.max_slots",
         c"Largest cap (n) stage_e_try_slot accepts; slots are numbered 0 .. max_slots-1.",
-        c"Shared memory holds a bitmap bit and a 16-byte holder record per slot per database.",
+        c"A cap's slots take 16 bytes each in stage_e_slots.slot_memory.",
         &MAX_SLOTS,
         1,
         MAX_MAX_SLOTS,
@@ -41,14 +44,26 @@ pub fn init() {
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(
-        c"stage_e_slots.max_databases",
-        c"How many databases can use stage_e_slots at once (each gets its own slots and counters).",
-        c"A database takes its entry on first use and keeps it until server restart.",
-        &MAX_DATABASES,
-        1,
-        MAX_MAX_DATABASES,
+        c"stage_e_slots.max_caps",
+        c"How many caps (named or default, of all databases) can be in use at once.",
+        c"A cap with held slots or counts not yet flushed is in use; an idle one is reclaimed \
+          when room is needed. Each takes about 300 bytes of shared memory.",
+        &MAX_CAPS,
+        16,
+        MAX_MAX_CAPS,
         GucContext::Postmaster,
         GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.slot_memory",
+        c"Shared memory for the slots of all caps (16 bytes per slot, in blocks of 256 bytes).",
+        c"A cap's block holds the largest n it was used with: 256 bytes up to n = 15, \
+          32 kB for n = 1024. At least one block of max_slots slots is always reserved.",
+        &SLOT_MEMORY_KB,
+        64,
+        MAX_SLOT_MEMORY_KB,
+        GucContext::Postmaster,
+        GucFlags::UNIT_KB,
     );
     GucRegistry::define_int_guc(
         c"stage_e_slots.flush_interval",
@@ -71,8 +86,12 @@ pub fn lock_key() -> i32 {
     LOCK_KEY.get()
 }
 
-pub fn max_databases() -> u32 {
-    MAX_DATABASES.get() as u32
+pub fn max_caps() -> u32 {
+    MAX_CAPS.get() as u32
+}
+
+pub fn slot_memory_bytes() -> usize {
+    SLOT_MEMORY_KB.get() as usize * 1024
 }
 
 pub fn flush_interval() -> std::time::Duration {

@@ -1,14 +1,22 @@
 //! stage_e_slots: a concurrency cap enforced inside PostgreSQL.
 //!
-//! `stage_e_try_slot(n)` hands this session one of n slots, each a session-level advisory lock,
-//! or NULL when all are taken; `stage_e_release(slot)` gives it back and proves the caller held it.
-//! Module map: `gucs` (settings), `shmem` (shared state), `occupancy` (slot search, plain Rust),
-//! `locks` (lock manager), `session` (this backend and its exit/transaction hooks),
-//! `slots` (the cap's logic), `counters` and `flush` (durable counts), `worker` (the flush
-//! launcher and flushers), `api` (the SQL surface).
+//! `stage_e_try_slot(cap, n)` hands this session one of n slots of a named cap, each a
+//! session-level advisory lock, or NULL when all are taken; `stage_e_release(cap, slot)` gives it
+//! back and proves the caller held it. Module map:
+//! - plain Rust, unit-tested: `occupancy` (slot search), `arena` (slot memory), `directory`
+//!   (cap names and keys), `counters` (counter arithmetic, the shutdown file);
+//! - Postgres internals: `shmem` (shared state), `locks` (lock manager), `session` (this backend
+//!   and its exit/transaction hooks), `worker` (the flush launcher and flushers);
+//! - the logic: `slots` (caps), `flush` (durable counts), `sql` (every statement we run);
+//! - the SQL surface: `api`, `compat` (0.1.0 symbols), `errors` (how failures are reported).
 
-mod api;
+#[macro_use]
 mod counters;
+mod api;
+mod arena;
+mod compat;
+mod directory;
+mod errors;
 mod flush;
 mod gucs;
 mod locks;

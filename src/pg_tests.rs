@@ -11,13 +11,16 @@ mod tests {
     }
 
     fn counter(name: &str) -> i64 {
-        one::<i64>(&format!("SELECT {name} FROM stage_e_stats()")).unwrap()
+        one::<i64>(&format!(
+            "SELECT coalesce(sum({name}), 0)::bigint FROM stage_e_stats() WHERE cap = 'default'"
+        ))
+        .unwrap()
     }
 
     /// The previous test's connection may still be exiting: wait until its slots are free.
     fn settle() {
         for _ in 0..500 {
-            if one::<i32>("SELECT held FROM stage_e_stats()") == Some(0) {
+            if one::<i32>("SELECT count(*)::int FROM stage_e_slot_holders") == Some(0) {
                 return;
             }
             Spi::run("SELECT pg_sleep(0.01)").unwrap();
@@ -50,7 +53,10 @@ mod tests {
         assert_eq!(my_locks(), vec![0, 1, 2, 3]);
         assert_eq!(counter("acquired") - acq, 4);
         assert_eq!(counter("throttled") - thr, 2);
-        assert_eq!(one::<i32>("SELECT held FROM stage_e_stats()"), Some(4));
+        assert_eq!(
+            one::<i32>("SELECT held FROM stage_e_stats() WHERE cap = 'default'"),
+            Some(4)
+        );
         // A larger cap over the same pool sees the slots beyond 4.
         assert_eq!(one::<i32>("SELECT stage_e_try_slot(5)"), Some(4));
         assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(5));
@@ -162,15 +168,22 @@ mod tests {
     }
 
     #[pg_test]
-    fn functions_are_volatile_and_parallel_unsafe() {
+    fn functions_are_volatile_and_parallel_unsafe_but_the_key() {
         let bad = one::<i64>(
             "SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%' \
-             AND (provolatile <> 'v' OR proparallel <> 'u')",
+             AND proname <> 'stage_e_cap_key' AND (provolatile <> 'v' OR proparallel <> 'u')",
         );
         assert_eq!(bad, Some(0));
         assert_eq!(
+            one::<String>(
+                "SELECT provolatile::text || proparallel::text FROM pg_proc \
+                 WHERE proname = 'stage_e_cap_key'"
+            ),
+            Some("ss".into())
+        );
+        assert_eq!(
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(10)
+            Some(16)
         );
     }
 }

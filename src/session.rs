@@ -13,20 +13,34 @@
 //! callbacks children discard, and a backend that never takes a slot pays nothing.
 
 use crate::counters::FlushState;
-use crate::shmem::Pool;
+use crate::shmem::{CapRef, Flushed};
 use pgrx::pg_sys;
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::ffi::CStr;
 
+/// A slot this backend holds through the extension: its cap, the cap's lock key, the slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub cap: CapRef,
+    pub key: i32,
+    pub slot: u32,
+}
+
+/// The flush this transaction is making: per cap, the handle that settles it and what it read;
+/// and the subtransaction that owns it.
 struct Flush {
-    pool: Pool,
-    read: FlushState,
+    caps: Vec<(Flushed, FlushState)>,
     subxact: pg_sys::SubTransactionId,
 }
 
 thread_local! {
     /// Slots this backend acquired through the extension and has not released.
-    static TRACKED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    static TRACKED: RefCell<Vec<Held>> = const { RefCell::new(Vec::new()) };
+    /// Caps this backend has used, by name (a backend's database never changes); the entry's
+    /// generation tells a stale reference. `default` has a cell of its own (no hashing).
+    static CAPS: RefCell<Option<HashMap<String, CapRef>>> = const { RefCell::new(None) };
+    static DEFAULT: Cell<Option<CapRef>> = const { Cell::new(None) };
     static HOOKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
     static RECOVERY_DONE: Cell<bool> = const { Cell::new(false) };
     /// The flush this transaction is making: the pool, what it read, and the subtransaction
@@ -98,13 +112,43 @@ pub fn application_name() -> String {
     }
 }
 
-pub fn track(slot: u32) {
-    TRACKED.with_borrow_mut(|t| t.push(slot));
+/// The cap this backend last knew as `name`, if any.
+pub fn cached_cap(name: &str) -> Option<CapRef> {
+    if name == crate::directory::DEFAULT_CAP {
+        return DEFAULT.get();
+    }
+    CAPS.with_borrow(|m| m.as_ref().and_then(|m| m.get(name).copied()))
 }
 
-/// Forgets `slot`; true if it was tracked.
-pub fn untrack(slot: u32) -> bool {
-    TRACKED.with_borrow_mut(|t| match t.iter().position(|&s| s == slot) {
+/// Remembers (or, with None, forgets) the cap named `name`.
+pub fn cache_cap(name: &str, cap: Option<CapRef>) {
+    if name == crate::directory::DEFAULT_CAP {
+        return DEFAULT.set(cap);
+    }
+    CAPS.with_borrow_mut(|m| {
+        let m = m.get_or_insert_with(HashMap::new);
+        match cap {
+            Some(c) => {
+                // A backend cycling through many one-off names must not grow without bound.
+                if m.len() >= 4 * crate::gucs::max_caps() as usize {
+                    m.clear();
+                }
+                m.insert(name.to_string(), c);
+            }
+            None => {
+                m.remove(name);
+            }
+        }
+    });
+}
+
+pub fn track(held: Held) {
+    TRACKED.with_borrow_mut(|t| t.push(held));
+}
+
+/// Forgets `held`; true if it was tracked.
+pub fn untrack(held: Held) -> bool {
+    TRACKED.with_borrow_mut(|t| match t.iter().position(|&h| h == held) {
         Some(i) => {
             t.swap_remove(i);
             true
@@ -113,21 +157,27 @@ pub fn untrack(slot: u32) -> bool {
     })
 }
 
-pub fn is_tracked(slot: u32) -> bool {
-    TRACKED.with_borrow(|t| t.contains(&slot))
+/// The tracked slot `slot` of the cap with lock key `key`, if this backend holds it.
+pub fn tracked_slot(key: i32, slot: u32) -> Option<Held> {
+    TRACKED.with_borrow(|t| t.iter().copied().find(|h| h.key == key && h.slot == slot))
 }
 
-pub fn tracked() -> Vec<u32> {
+/// Tracked slots (of the cap with key `key`, or of every cap), sorted by key and slot.
+pub fn tracked(key: Option<i32>) -> Vec<Held> {
     TRACKED.with_borrow(|t| {
-        let mut v = t.clone();
-        v.sort_unstable();
+        let mut v: Vec<Held> = t
+            .iter()
+            .copied()
+            .filter(|h| key.is_none_or(|k| h.key == k))
+            .collect();
+        v.sort_unstable_by_key(|h| (h.key, h.slot));
         v
     })
 }
 
-/// Tracked slots for which `gone(slot)` is true; allocates only when there are some.
-pub fn tracked_where(gone: impl Fn(u32) -> bool) -> Vec<u32> {
-    TRACKED.with_borrow(|t| t.iter().copied().filter(|&s| gone(s)).collect())
+/// Tracked slots for which `gone(held)` is true; allocates only when there are some.
+pub fn tracked_where(gone: impl Fn(&Held) -> bool) -> Vec<Held> {
+    TRACKED.with_borrow(|t| t.iter().copied().filter(|h| gone(h)).collect())
 }
 
 pub fn tracks_any() -> bool {
@@ -157,16 +207,29 @@ unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
     }
 }
 
-/// Settles `pool`'s flush when this transaction (or the subtransaction making it) ends.
-pub fn flush_started(pool: Pool, read: FlushState) {
+/// Whether this transaction has a flush to settle.
+pub fn flushing() -> bool {
+    FLUSH.with_borrow(Option::is_some)
+}
+
+/// Settles the caps' flush when this transaction (or the subtransaction making it) ends.
+pub fn flush_started(caps: Vec<(Flushed, FlushState)>) {
     ensure_hooks();
     // SAFETY: reads the current transaction state; we are inside a transaction.
     let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
-    FLUSH.set(Some(Flush {
-        pool,
-        read,
-        subxact,
-    }));
+    FLUSH.set(Some(Flush { caps, subxact }));
+}
+
+fn settle(commit: bool) {
+    if let Some(f) = FLUSH.take() {
+        for (cap, read) in &f.caps {
+            if commit {
+                cap.commit(read);
+            } else {
+                cap.abort();
+            }
+        }
+    }
 }
 
 /// Sleeps `ms` milliseconds, answering a cancel or terminate request.
@@ -188,16 +251,8 @@ unsafe extern "C-unwind" fn on_xact_end(
         XACT_EVENT_PRE_PREPARE if FLUSH.with_borrow(Option::is_some) => {
             pgrx::error!("cannot PREPARE a transaction that flushed stage_e_slots counters")
         }
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
-            if let Some(f) = FLUSH.take() {
-                f.pool.commit_flush(&f.read);
-            }
-        }
-        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => {
-            if let Some(f) = FLUSH.take() {
-                f.pool.abort_flush();
-            }
-        }
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => settle(true),
+        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => settle(false),
         _ => return,
     }
     if tracks_any() && !matches!(event, XACT_EVENT_PRE_PREPARE) {
@@ -215,12 +270,14 @@ unsafe extern "C-unwind" fn on_subxact_end(
     _arg: *mut std::ffi::c_void,
 ) {
     use pg_sys::SubXactEvent::*;
-    FLUSH.with_borrow_mut(|flush| match flush {
-        Some(f) if f.subxact == mine && event == SUBXACT_EVENT_ABORT_SUB => {
-            f.pool.abort_flush();
-            *flush = None;
-        }
-        Some(f) if f.subxact == mine && event == SUBXACT_EVENT_COMMIT_SUB => f.subxact = parent,
+    let owner = FLUSH.with_borrow(|f| f.as_ref().map(|f| f.subxact));
+    match owner {
+        Some(id) if id == mine && event == SUBXACT_EVENT_ABORT_SUB => settle(false),
+        Some(id) if id == mine && event == SUBXACT_EVENT_COMMIT_SUB => FLUSH.with_borrow_mut(|f| {
+            if let Some(f) = f {
+                f.subxact = parent;
+            }
+        }),
         _ => {}
-    });
+    }
 }

@@ -1,79 +1,127 @@
-//! Shared memory: per-database pools of slot records, occupancy bitmaps and counters.
+//! Shared memory: every database's caps, their slots and their counters.
 //!
-//! Sized from the postmaster GUCs at start-up, so it cannot be a compile-time `PgLwLock<[T; N]>`:
-//! the request and startup hooks below are the pg_stat_statements pattern. Everything in the
-//! segment is an atomic, so the hot path takes no LWLock; each field's comment says who writes it.
+//! Sized from postmaster settings at start (the pg_stat_statements pattern: a request hook and
+//! a startup hook). Layout, all 8-byte aligned:
 //!
-//! Layout (all 8-byte aligned):
-//! `Header | PoolHeader × max_databases | bitmap words × max_databases | SlotRecord × max_slots × max_databases`
+//! ```text
+//! Header
+//! CapEntry × max_caps        a cap's fixed part: database, name, lock key, pin state, where its
+//!                            slots are, counters and flush bookkeeping (about 300 bytes)
+//! u32 × index_len            the (database, name) → entry index (`directory`), 2 × max_caps rounded
+//!                            up to a power of two
+//! u32 × 3 × pages + 25       the arena allocator's state (`arena`)
+//! 256 B × pages              the arena: one block per cap holding its slots: a 16-byte holder
+//!                            record per slot, then one occupancy bit per slot
+//! ```
 //!
-//! The directory of pools is keyed by database OID. Lookups take no lock; taking a free entry
-//! (a database's first `stage_e_try_slot`) and reclaiming the entry of a dropped database take
-//! the directory's LWLock, so two backends of one database never create two pools.
+//! **Size classes.** A cap's block is a power of two pages, the smallest that holds the largest
+//! `n` it has been used with: n ≤ 15 takes one page (256 B), n ≤ 31 two, n ≤ 1,023 128 pages
+//! (32 KiB, see `arena::capacity`). A cap used later with a larger `n` moves to a larger block
+//! (its holders keep their slots). Blocks come from a buddy allocator, so the memory of
+//! reclaimed caps serves caps of any size. `pages` is `stage_e_slots.slot_memory` rounded up to
+//! whole blocks of `max_slots` slots (at least one).
+//!
+//! **Budget** at the defaults (max_caps 4096, slot_memory 2 MB, max_slots 1024): about 1.3 MB of
+//! entries, 32 kB of index, 2 MB of arena and 100 kB of allocator state, 3.5 MB in all; 4,096
+//! caps of n ≤ 15 fit at once (8,192 pages), or 64 caps of n = 1,024, or any mix.
+//!
+//! **Concurrency.** The hot path takes no LWLock: a backend finds a cap through its local cache
+//! (`session`), *pins* the entry (a CAS on its state word that also checks the entry's
+//! generation, so a cached reference to a cap since reclaimed fails and is looked up again),
+//! claims a slot bit with a CAS, asks the lock manager, and unpins. The directory LWLock is
+//! taken in shared mode to look a cap up on a cache miss, and in exclusive mode to create,
+//! grow or reclaim one; growing and reclaiming first set the entry's LOCKED bit, which stops
+//! new pins, and act only once no pin is left.
+//!
+//! **Reclaiming.** A cap with no pin, no occupied slot, nothing pending for the table and no
+//! flush in progress may be reclaimed when room is needed (an entry or a block); its counts are
+//! already in its counter row. A cap of a dropped database is reclaimed with its pending counts
+//! (logged). Only when the caps truly in use fill `max_caps` or the arena does a create fail.
 
-use crate::counters::{self, CounterValues, FlushState};
+use crate::arena::{self, Buddy};
+use crate::counters::{self, Carried, CounterValues, FlushState, COUNT};
+use crate::directory::{self, Index};
 use crate::gucs;
 use crate::occupancy;
 use pgrx::pg_sys;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
 const SEGMENT_NAME: &std::ffi::CStr = c"stage_e_slots";
+const LOCK_TRANCHE: &std::ffi::CStr = c"stage_e_slots";
 
 #[repr(C)]
 struct Header {
+    max_caps: u32,
     max_slots: u32,
-    max_databases: u32,
-    words_per_pool: u32,
+    index_len: u32,
+    pages: u32,
+    top_order: u32,
     _pad: u32,
+    /// The last flush id handed out (ids increase across the server).
+    last_flush_id: AtomicU64,
+    /// Set when a create found the directory crowded: the launcher flushes at once, so that
+    /// idle caps' counts reach their rows and the caps become reclaimable.
+    flush_requested: AtomicU32,
+    /// The launcher's PGPROC, to set its latch; null when it is not running.
+    launcher: AtomicPtr<pg_sys::PGPROC>,
 }
 
-/// A set of counters, one per column of `stage_e_stats()`. Incremented with relaxed atomics:
-/// each is an independent monotonic tally, read only for reporting and flushing.
+/// One value per counter, in `CounterValues::NAMES` order. Relaxed atomics: each is an
+/// independent monotonic tally, read only for reporting and flushing.
 #[repr(C)]
-#[derive(Default)]
-pub struct Counters {
-    pub acquired: AtomicU64,
-    pub throttled: AtomicU64,
-    pub released: AtomicU64,
-    pub foreign_releases: AtomicU64,
-    pub released_by_exit: AtomicU64,
+pub struct Counters([AtomicU64; COUNT]);
+
+/// Which counter to bump.
+#[derive(Clone, Copy)]
+pub enum Counter {
+    Acquired = 0,
+    Throttled = 1,
+    Released = 2,
+    ForeignReleases = 3,
+    ReleasedByExit = 4,
 }
 
 impl Counters {
-    pub fn bump(counter: &AtomicU64, by: u64) {
-        counter.fetch_add(by, Ordering::Relaxed);
-    }
-
-    fn cells(&self) -> [&AtomicU64; 5] {
-        [
-            &self.acquired,
-            &self.throttled,
-            &self.released,
-            &self.foreign_releases,
-            &self.released_by_exit,
-        ]
+    pub fn bump(&self, which: Counter, by: u64) {
+        self.0[which as usize].fetch_add(by, Ordering::Relaxed);
     }
 
     pub fn load(&self) -> CounterValues {
-        CounterValues::from_array(self.cells().map(|c| c.load(Ordering::Relaxed)))
+        CounterValues::from_array(std::array::from_fn(|i| self.0[i].load(Ordering::Relaxed)))
     }
 
     fn store(&self, v: CounterValues) {
-        for (c, x) in self.cells().into_iter().zip(v.to_array()) {
+        for (c, x) in self.0.iter().zip(v.to_array()) {
             c.store(x, Ordering::Relaxed);
         }
     }
 }
 
+/// The state word: generation (high 32 bits), LOCKED (bit 31), pins (bits 0-30).
+const LOCKED: u64 = 1 << 31;
+const PINS: u64 = LOCKED - 1;
+
+fn generation(state: u64) -> u32 {
+    (state >> 32) as u32
+}
+
 #[repr(C)]
-struct PoolHeader {
-    /// 0 = free. Set to a database OID under the directory lock by its first `stage_e_try_slot`,
-    /// and back to 0 (by [`reclaim`]) only once that database has been dropped.
+pub struct CapEntry {
+    state: AtomicU64,
+    /// 0 = free entry. Written under the exclusive directory lock while LOCKED.
     dboid: AtomicU32,
-    /// Pid of the process whose open transaction is flushing this pool; 0 = none. Only that
-    /// process writes the fields below it, so they need no lock among writers.
+    /// First int4 of the cap's advisory locks.
+    key: AtomicI32,
+    /// First page of the slot block, and how many slots it holds.
+    block: AtomicU32,
+    capacity: AtomicU32,
+    name_len: AtomicU32,
+    /// Pid of the process whose open transaction is flushing this cap; 0 = none, -1 = being
+    /// reclaimed. Only that process writes the flush bookkeeping below.
     flusher: AtomicI32,
-    /// Counted since server start (the hot path writes only these).
+    hash: AtomicU64,
+    name: [AtomicU64; 8],
+    /// Counted since the cap was created (the hot path writes only these).
     counters: Counters,
     /// Pending counts saved at the last clean shutdown, not yet in the table.
     carried: Counters,
@@ -82,7 +130,6 @@ struct PoolHeader {
     /// Delta written by the flush in progress, under the id `inflight_id` (0 = none).
     inflight: Counters,
     inflight_id: AtomicU64,
-    last_flush_id: AtomicU64,
     /// Seqlock over carried/flushed/inflight: odd while the flusher updates them.
     version: AtomicU64,
 }
@@ -115,179 +162,261 @@ impl SlotRecord {
     }
 }
 
-/// One database's slots, bitmap and counters; `'static` because the segment lives until the
-/// postmaster exits.
-#[derive(Clone, Copy)]
-pub struct Pool {
-    header: &'static PoolHeader,
-    bits: &'static [AtomicU64],
-    records: &'static [SlotRecord],
+const _: () = assert!(size_of::<SlotRecord>() == arena::RECORD);
+const _: () = assert!(size_of::<Header>().is_multiple_of(8));
+const _: () = assert!(size_of::<CapEntry>().is_multiple_of(8));
+
+/// A cap as a backend remembers it: its entry and the entry's generation at the time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CapRef {
+    pub entry: u32,
+    pub generation: u32,
 }
 
-impl Pool {
-    pub fn bits(&self) -> &'static [AtomicU64] {
-        self.bits
-    }
+/// A pinned cap: while this lives, the entry keeps its identity and its slot block.
+pub struct Cap {
+    entry: &'static CapEntry,
+    pub cap: CapRef,
+}
 
-    pub fn counters(&self) -> &'static Counters {
-        &self.header.counters
+impl Drop for Cap {
+    fn drop(&mut self) {
+        self.entry.state.fetch_sub(1, Ordering::AcqRel);
     }
+}
 
-    pub fn record(&self, slot: u32) -> &'static SlotRecord {
-        &self.records[slot as usize]
+impl Cap {
+    pub fn key(&self) -> i32 {
+        self.entry.key.load(Ordering::Relaxed)
     }
 
     pub fn database(&self) -> u32 {
-        self.header.dboid.load(Ordering::Acquire)
+        self.entry.dboid.load(Ordering::Relaxed)
+    }
+
+    pub fn name(&self) -> String {
+        self.entry.name()
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.entry.capacity.load(Ordering::Acquire)
+    }
+
+    pub fn counters(&self) -> &'static Counters {
+        &self.entry.counters
+    }
+
+    /// The occupancy bitmap of the cap's slots.
+    pub fn bits(&self) -> &'static [AtomicU64] {
+        let seg = segment().expect("a pinned cap implies the segment");
+        let (_, bits) = seg.block(self.entry);
+        bits
+    }
+
+    pub fn record(&self, slot: u32) -> &'static SlotRecord {
+        let seg = segment().expect("a pinned cap implies the segment");
+        let (records, _) = seg.block(self.entry);
+        &records[slot as usize]
     }
 
     pub fn flush_state(&self) -> FlushState {
-        let h = self.header;
-        loop {
-            let before = h.version.load(Ordering::Acquire);
-            if before % 2 == 1 {
-                std::hint::spin_loop();
-                continue;
-            }
-            let state = FlushState {
-                counters: h.counters.load(),
-                carried: h.carried.load(),
-                flushed: h.flushed.load(),
-                inflight: h.inflight.load(),
-                inflight_id: h.inflight_id.load(Ordering::Relaxed),
-            };
-            std::sync::atomic::fence(Ordering::Acquire);
-            if h.version.load(Ordering::Relaxed) == before {
-                return state;
-            }
-        }
+        self.entry.flush_state()
     }
 
-    /// Pid of the process flushing this pool now, if any.
-    pub fn flusher(&self) -> Option<i32> {
-        Some(self.header.flusher.load(Ordering::Acquire)).filter(|&p| p != 0)
-    }
-
-    /// Makes `pid` this pool's only flusher; false if another flush is in progress.
+    /// Makes `pid` this cap's only flusher; false if another flush is in progress.
     pub fn try_begin_flush(&self, pid: i32) -> bool {
-        self.header
+        self.entry
             .flusher
             .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
 
-    /// A unique, increasing id for the next flush (microseconds, bumped past the last id).
-    pub fn next_flush_id(&self, now_us: u64) -> u64 {
-        let last = self.header.last_flush_id.load(Ordering::Relaxed);
-        let id = now_us.max(last + 1);
-        self.header.last_flush_id.store(id, Ordering::Relaxed);
-        id
+    pub fn set_inflight(&self, id: u64, delta: CounterValues) {
+        self.entry.write(|e| {
+            e.inflight.store(delta);
+            e.inflight_id.store(id, Ordering::Relaxed);
+        });
+    }
+}
+
+impl CapEntry {
+    fn name(&self) -> String {
+        let len = self.name_len.load(Ordering::Relaxed) as usize;
+        let bytes: Vec<u8> = self
+            .name
+            .iter()
+            .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
+            .take(len.min(64))
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    fn is(&self, db: u32, name: &str) -> bool {
+        self.dboid.load(Ordering::Relaxed) == db
+            && self.name_len.load(Ordering::Relaxed) as usize == name.len()
+            && self.name() == name
+    }
+
+    fn set_name(&self, name: &str) {
+        let mut bytes = [0u8; 64];
+        bytes[..name.len()].copy_from_slice(name.as_bytes());
+        for (w, chunk) in self.name.iter().zip(bytes.chunks(8)) {
+            w.store(
+                u64::from_le_bytes(chunk.try_into().expect("8 bytes")),
+                Ordering::Relaxed,
+            );
+        }
+        self.name_len.store(name.len() as u32, Ordering::Relaxed);
+    }
+
+    /// Pins the entry if it still has generation `generation` and is not LOCKED.
+    fn pin(&'static self, cap: CapRef) -> Option<Cap> {
+        let mut spins = 0u32;
+        loop {
+            let s = self.state.load(Ordering::Acquire);
+            if generation(s) != cap.generation {
+                return None;
+            }
+            if s & LOCKED != 0 {
+                // Being grown (quick) or reclaimed (then the generation changes): wait.
+                spins += 1;
+                if spins.is_multiple_of(64) {
+                    // SAFETY: a plain sleep; no lock or pin is held here.
+                    unsafe { pg_sys::pg_usleep(50) };
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            if self
+                .state
+                .compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Some(Cap { entry: self, cap });
+            }
+        }
+    }
+
+    fn flush_state(&self) -> FlushState {
+        loop {
+            let before = self.version.load(Ordering::Acquire);
+            if before % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let state = FlushState {
+                counters: self.counters.load(),
+                carried: self.carried.load(),
+                flushed: self.flushed.load(),
+                inflight: self.inflight.load(),
+                inflight_id: self.inflight_id.load(Ordering::Relaxed),
+            };
+            std::sync::atomic::fence(Ordering::Acquire);
+            if self.version.load(Ordering::Relaxed) == before {
+                return state;
+            }
+        }
     }
 
     /// Runs `f` on the bookkeeping fields as one seqlock write. Only the flusher calls this.
-    fn write(&self, f: impl FnOnce(&PoolHeader)) {
-        let h = self.header;
-        h.version.fetch_add(1, Ordering::AcqRel);
-        f(h);
-        h.version.fetch_add(1, Ordering::Release);
+    fn write(&self, f: impl FnOnce(&CapEntry)) {
+        self.version.fetch_add(1, Ordering::AcqRel);
+        f(self);
+        self.version.fetch_add(1, Ordering::Release);
     }
 
-    pub fn set_inflight(&self, id: u64, delta: CounterValues) {
-        self.write(|h| {
-            h.inflight.store(delta);
-            h.inflight_id.store(id, Ordering::Relaxed);
-        });
+    fn idle(&self) -> bool {
+        self.flusher.load(Ordering::Acquire) == 0 && self.flush_state().pending(None).is_zero()
     }
+}
 
+/// Settles flushes. A cap whose flusher role this process holds is never reclaimed, so the
+/// entry needs no pin here.
+pub struct Flushed(&'static CapEntry);
+
+impl Flushed {
     /// The flush's transaction committed: what it read is now in the table.
-    pub fn commit_flush(&self, read: &FlushState) {
-        self.write(|h| {
-            h.flushed.store(read.counters);
-            h.carried.store(h.carried.load().minus(read.carried));
-            h.inflight.store(CounterValues::default());
-            h.inflight_id.store(0, Ordering::Relaxed);
+    pub fn commit(&self, read: &FlushState) {
+        let e = self.0;
+        e.write(|e| {
+            e.flushed.store(read.counters);
+            e.carried.store(e.carried.load().minus(read.carried));
+            e.inflight.store(CounterValues::default());
+            e.inflight_id.store(0, Ordering::Relaxed);
         });
-        self.header.flusher.store(0, Ordering::Release);
+        e.flusher.store(0, Ordering::Release);
     }
 
-    /// The flush's transaction aborted: its delta is still pending.
-    pub fn abort_flush(&self) {
-        self.write(|h| {
-            h.inflight.store(CounterValues::default());
-            h.inflight_id.store(0, Ordering::Relaxed);
+    /// The flush's transaction (or subtransaction) aborted: its delta is still pending.
+    pub fn abort(&self) {
+        let e = self.0;
+        e.write(|e| {
+            e.inflight.store(CounterValues::default());
+            e.inflight_id.store(0, Ordering::Relaxed);
         });
-        self.header.flusher.store(0, Ordering::Release);
-    }
-
-    /// Returns the entry to its zeroed, free state. Only [`reclaim`] calls this, holding the
-    /// directory lock and the flusher role, for a database nobody can be connected to.
-    fn wipe(&self) {
-        for w in self.bits {
-            w.store(0, Ordering::Relaxed);
-        }
-        for r in self.records {
-            r.clear();
-        }
-        let zero = CounterValues::default();
-        let h = self.header;
-        h.counters.store(zero);
-        self.write(|h| {
-            h.carried.store(zero);
-            h.flushed.store(zero);
-            h.inflight.store(zero);
-            h.inflight_id.store(0, Ordering::Relaxed);
-        });
-        h.last_flush_id.store(0, Ordering::Relaxed);
-        h.flusher.store(0, Ordering::Relaxed);
-        h.dboid.store(0, Ordering::Release);
-    }
-
-    /// Counts restored from the pending file of the last clean shutdown.
-    fn carry(&self, v: CounterValues) {
-        self.write(|h| h.carried.store(h.carried.load().plus(v)));
+        e.flusher.store(0, Ordering::Release);
     }
 }
 
-/// Every pool in use, for the flush launcher and the shutdown file.
-pub fn pools() -> Vec<Pool> {
-    let Some(seg) = segment() else {
-        return Vec::new();
-    };
-    (0..seg.pools.len())
-        .filter(|&i| seg.pools[i].dboid.load(Ordering::Acquire) != 0)
-        .map(|i| seg.pool_at(i))
-        .collect()
+impl Cap {
+    /// The handle that settles this cap's flush at transaction end.
+    pub fn flushed(&self) -> Flushed {
+        Flushed(self.entry)
+    }
 }
 
-/// Every database entry is taken.
-#[derive(Debug)]
-pub struct PoolsFull {
-    pub max_databases: u32,
+/// Why a cap could not be created or grown.
+#[derive(Debug, PartialEq)]
+pub enum CapError {
+    /// `max_caps` caps are in use (held slots, or counts not yet flushed).
+    NoEntry { max_caps: u32, held: u32 },
+    /// The arena has no block large enough.
+    NoMemory { slots: u32 },
+    /// Another cap of this database uses the same lock key.
+    KeyCollision { other: String, key: i32 },
+    /// The cap stayed pinned too long to be grown (a backend died mid-call).
+    Busy,
 }
 
 /// Set in every process by the startup hook (children inherit it through fork). Null means
 /// the library was not preloaded, and every SQL function refuses to run.
 static SEGMENT: AtomicPtr<Header> = AtomicPtr::new(std::ptr::null_mut());
-
-/// The lock of the database directory (taking and reclaiming entries; never the acquire path).
+/// The directory LWLock (looking up, creating, growing and reclaiming caps).
 static DIRECTORY_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut());
-const LOCK_TRANCHE: &std::ffi::CStr = c"stage_e_slots";
 
 static mut PREV_SHMEM_REQUEST_HOOK: pg_sys::shmem_request_hook_type = None;
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
 
-fn segment_size(max_slots: u32, max_databases: u32) -> usize {
-    let words = occupancy::words_for(max_slots);
-    let dbs = max_databases as usize;
-    size_of::<Header>()
-        + dbs * size_of::<PoolHeader>()
-        + dbs * words * size_of::<AtomicU64>()
-        + dbs * max_slots as usize * size_of::<SlotRecord>()
+struct Layout {
+    max_caps: u32,
+    index_len: usize,
+    pages: u32,
+    top_order: u32,
+}
+
+impl Layout {
+    fn from_settings() -> Self {
+        let max_slots = gucs::max_slots();
+        let top_order = arena::order_for(max_slots);
+        Layout {
+            max_caps: gucs::max_caps(),
+            index_len: directory::index_len(gucs::max_caps()),
+            pages: arena::pages_for(gucs::slot_memory_bytes(), top_order),
+            top_order,
+        }
+    }
+
+    fn size(&self) -> usize {
+        size_of::<Header>()
+            + self.max_caps as usize * size_of::<CapEntry>()
+            + (self.index_len + arena::meta_words(self.pages)).next_multiple_of(2) * 4
+            + self.pages as usize * arena::PAGE
+    }
 }
 
 /// Bytes of shared memory the extension requests with the current settings.
 pub fn requested_bytes() -> usize {
-    segment_size(gucs::max_slots(), gucs::max_databases())
+    Layout::from_settings().size()
 }
 
 /// Registers the hooks; called from `_PG_init` while preloading, after the GUCs are defined.
@@ -318,27 +447,32 @@ unsafe extern "C-unwind" fn shmem_request() {
 unsafe extern "C-unwind" fn shmem_startup() {
     // SAFETY: ShmemInitStruct under AddinShmemInitLock is the documented way to create or
     // attach an add-in segment; the first process to get it (found = false) zeroes it, which
-    // is a valid state for every field (all atomics, OID 0 = unused entry).
+    // is a valid state for every field (atomics; dboid 0 = free entry), then frees the arena.
     unsafe {
         if let Some(prev) = PREV_SHMEM_STARTUP_HOOK {
             prev();
         }
-        let (max_slots, max_databases) = (gucs::max_slots(), gucs::max_databases());
-        let size = segment_size(max_slots, max_databases);
+        let layout = Layout::from_settings();
+        let size = layout.size();
         let lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock; // AddinShmemInitLock
         pg_sys::LWLockAcquire(lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
         let mut found = false;
         let base = pg_sys::ShmemInitStruct(SEGMENT_NAME.as_ptr(), size, &mut found) as *mut Header;
         if !found {
             std::ptr::write_bytes(base as *mut u8, 0, size);
-            (*base).max_slots = max_slots;
-            (*base).max_databases = max_databases;
-            (*base).words_per_pool = occupancy::words_for(max_slots) as u32;
+            (*base).max_caps = layout.max_caps;
+            (*base).max_slots = gucs::max_slots();
+            (*base).index_len = layout.index_len as u32;
+            (*base).pages = layout.pages;
+            (*base).top_order = layout.top_order;
         }
         pg_sys::LWLockRelease(lock);
         let directory = &raw mut (*pg_sys::GetNamedLWLockTranche(LOCK_TRANCHE.as_ptr())).lock;
         DIRECTORY_LOCK.store(directory, Ordering::Release);
         SEGMENT.store(base, Ordering::Release);
+        if !found {
+            segment().expect("just attached").buddy().reset();
+        }
         if !pg_sys::IsUnderPostmaster {
             // The postmaster (at start and after a crash reset): take back the counts saved at
             // the last clean shutdown, and save them again at the next one.
@@ -362,27 +496,39 @@ fn restore_pending() {
         pgrx::log!("stage_e_slots: ignoring {PENDING_FILE}: not in the expected format");
         return;
     };
-    for (db, values) in entries {
-        // The postmaster, before any backend: every database in the file is kept (a dropped one
-        // is reclaimed by the launcher's first round).
-        if let Ok(Some(pool)) = create_pool(pg_sys::Oid::from(db), |_| true) {
-            pool.carry(values);
+    let seg = segment().expect("attached");
+    for c in entries {
+        // The postmaster, before any backend: no lock is contended. A database dropped since
+        // is reclaimed by the launcher's first round.
+        let key = cap_key(&c.cap);
+        match seg.create(c.database, &c.cap, key, 1, &|_| true) {
+            Ok(cap) => seg.entry(cap.entry).carry(c.values),
+            Err(e) => pgrx::log!(
+                "stage_e_slots: dropped the saved counts of cap \"{}\" of database {}: {e:?}",
+                c.cap,
+                c.database
+            ),
         }
     }
 }
 
 /// Postmaster exit: at a clean shutdown (code 0) every backend and worker is gone, so each
-/// pool's pending counts are final; write them for the next start. A crash (code != 0) writes
+/// cap's pending counts are final; write them for the next start. A crash (code != 0) writes
 /// nothing: at most one flush interval of counts is lost, as documented.
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn save_pending(code: i32, _arg: pg_sys::Datum) {
     if code != 0 {
         return;
     }
-    let pending: Vec<(u32, CounterValues)> = pools()
-        .into_iter()
-        .map(|p| (p.database(), p.flush_state().pending(None)))
-        .filter(|(_, v)| !v.is_zero())
+    let Some(seg) = segment() else { return };
+    let pending: Vec<Carried> = seg
+        .live()
+        .map(|e| Carried {
+            database: e.dboid.load(Ordering::Relaxed),
+            cap: e.name(),
+            values: e.flush_state().pending(None),
+        })
+        .filter(|c| !c.values.is_zero())
         .collect();
     if pending.is_empty() {
         return;
@@ -392,10 +538,16 @@ unsafe extern "C-unwind" fn save_pending(code: i32, _arg: pg_sys::Datum) {
         .and_then(|()| std::fs::rename(&tmp, PENDING_FILE));
     match written {
         Ok(()) => pgrx::log!(
-            "stage_e_slots: saved pending counters of {} database(s) to {PENDING_FILE}",
+            "stage_e_slots: saved pending counters of {} cap(s) to {PENDING_FILE}",
             pending.len()
         ),
         Err(e) => pgrx::warning!("stage_e_slots: could not write {PENDING_FILE}: {e}"),
+    }
+}
+
+impl CapEntry {
+    fn carry(&self, v: CounterValues) {
+        self.write(|e| e.carried.store(e.carried.load().plus(v)));
     }
 }
 
@@ -404,11 +556,21 @@ pub fn attached() -> bool {
     !SEGMENT.load(Ordering::Acquire).is_null()
 }
 
+/// The lock key of cap `name`: `stage_e_slots.lock_key` for `default`, else the name's hash.
+pub fn cap_key(name: &str) -> i32 {
+    if name == directory::DEFAULT_CAP {
+        gucs::lock_key()
+    } else {
+        directory::name_key(name)
+    }
+}
+
 struct Segment {
     header: &'static Header,
-    pools: &'static [PoolHeader],
-    words: &'static [AtomicU64],
-    records: &'static [SlotRecord],
+    entries: &'static [CapEntry],
+    index: &'static [AtomicU32],
+    meta: &'static [AtomicU32],
+    arena: *mut u8,
 }
 
 fn segment() -> Option<Segment> {
@@ -420,141 +582,478 @@ fn segment() -> Option<Segment> {
     // written before SEGMENT is published and never changes, and the segment outlives us.
     unsafe {
         let header = &*base;
-        let dbs = header.max_databases as usize;
-        let words = header.words_per_pool as usize;
-        let slots = header.max_slots as usize;
-        let pools_ptr = (base as *mut u8).add(size_of::<Header>()) as *const PoolHeader;
-        let words_ptr = pools_ptr.add(dbs) as *const AtomicU64;
-        let records_ptr = words_ptr.add(dbs * words) as *const SlotRecord;
+        let caps = header.max_caps as usize;
+        let entries = (base as *mut u8).add(size_of::<Header>()) as *const CapEntry;
+        let index = entries.add(caps) as *const AtomicU32;
+        let meta = index.add(header.index_len as usize);
+        let meta_len = arena::meta_words(header.pages);
+        let words = (header.index_len as usize + meta_len).next_multiple_of(2);
+        let arena = (index as *mut u8).add(words * 4);
         Some(Segment {
             header,
-            pools: std::slice::from_raw_parts(pools_ptr, dbs),
-            words: std::slice::from_raw_parts(words_ptr, dbs * words),
-            records: std::slice::from_raw_parts(records_ptr, dbs * slots),
+            entries: std::slice::from_raw_parts(entries, caps),
+            index: std::slice::from_raw_parts(index, header.index_len as usize),
+            meta: std::slice::from_raw_parts(meta, meta_len),
+            arena,
         })
     }
 }
+
+/// Runs `f` holding the directory lock in `mode`.
+fn locked<R>(mode: pg_sys::LWLockMode::Type, f: impl FnOnce() -> R) -> R {
+    struct Guard(*mut pg_sys::LWLock);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            // SAFETY: acquired below by this process; also released if `f` unwinds.
+            unsafe { pg_sys::LWLockRelease(self.0) };
+        }
+    }
+    let lock = DIRECTORY_LOCK.load(Ordering::Acquire);
+    // SAFETY: the tranche's lock lives in the main LWLock array for the server's lifetime.
+    unsafe { pg_sys::LWLockAcquire(lock, mode) };
+    let _guard = Guard(lock);
+    f()
+}
+
+const SHARED: pg_sys::LWLockMode::Type = pg_sys::LWLockMode::LW_SHARED;
+const EXCLUSIVE: pg_sys::LWLockMode::Type = pg_sys::LWLockMode::LW_EXCLUSIVE;
 
 impl Segment {
-    /// The entry of database `db`: a scan of every entry, since reclaimed entries leave gaps.
-    fn find(&self, db: u32) -> Option<usize> {
-        self.pools
+    fn entry(&self, i: u32) -> &'static CapEntry {
+        &self.entries[i as usize]
+    }
+
+    fn buddy(&self) -> Buddy<'static> {
+        Buddy::over(self.meta, self.header.pages, self.header.top_order)
+    }
+
+    fn index(&self) -> Index<'static> {
+        Index::over(self.index)
+    }
+
+    /// Entries in use.
+    fn live(&self) -> impl Iterator<Item = &'static CapEntry> {
+        self.entries
             .iter()
-            .position(|e| e.dboid.load(Ordering::Acquire) == db)
+            .filter(|e| e.dboid.load(Ordering::Acquire) != 0)
     }
 
-    /// Under the directory lock: the entry of `db`, or the first free one, now `db`'s. The
-    /// lock is what keeps two backends of one database from taking two entries.
-    fn find_or_take(&self, db: u32) -> Option<usize> {
-        self.find(db).or_else(|| {
-            let i = self.find(0)?;
-            self.pools[i].dboid.store(db, Ordering::Release);
-            Some(i)
-        })
+    /// The records and bitmap of `e`'s block (pinned, or under the exclusive lock).
+    fn block(&self, e: &CapEntry) -> (&'static [SlotRecord], &'static [AtomicU64]) {
+        let page = e.block.load(Ordering::Acquire) as usize;
+        let capacity = e.capacity.load(Ordering::Acquire) as usize;
+        // SAFETY: the block was allocated for `capacity` slots (see `arena::capacity`) and stays
+        // allocated while the entry is pinned; records are 16-aligned, the bitmap follows them.
+        unsafe {
+            let start = self.arena.add(page * arena::PAGE);
+            let records = std::slice::from_raw_parts(start as *const SlotRecord, capacity);
+            let bits = std::slice::from_raw_parts(
+                start.add(capacity * arena::RECORD) as *const AtomicU64,
+                occupancy::words_for(capacity as u32),
+            );
+            (records, bits)
+        }
     }
 
-    /// Runs `f` holding the directory lock, which serialises taking and reclaiming entries.
-    fn locked<R>(&self, f: impl FnOnce() -> R) -> R {
-        struct Guard(*mut pg_sys::LWLock);
-        impl Drop for Guard {
-            fn drop(&mut self) {
-                // SAFETY: acquired below by this process; also released if `f` unwinds.
-                unsafe { pg_sys::LWLockRelease(self.0) };
+    fn find(&self, db: u32, name: &str) -> Option<u32> {
+        let hash = directory::index_hash(db, name);
+        self.index().find(hash, |i| self.entry(i).is(db, name))
+    }
+
+    /// Under the exclusive lock: the cap `(db, name)`, created with room for `slots` slots.
+    fn create(
+        &self,
+        db: u32,
+        name: &str,
+        key: i32,
+        slots: u32,
+        exists: &dyn Fn(u32) -> bool,
+    ) -> Result<CapRef, CapError> {
+        if let Some(i) = self.find(db, name) {
+            return Ok(self.cap_ref(i));
+        }
+        // Two caps of one database on one lock key would share slots: refuse the newcomer,
+        // unless the other cap is idle (then it goes, and comes back refused if used again).
+        let same_key = (0..self.entries.len() as u32).find(|&i| {
+            let e = self.entry(i);
+            e.dboid.load(Ordering::Relaxed) == db && e.key.load(Ordering::Relaxed) == key
+        });
+        if let Some(j) = same_key {
+            let other = self.entry(j);
+            if !(other.idle() && self.try_reclaim(j, false)) {
+                return Err(CapError::KeyCollision {
+                    other: other.name(),
+                    key,
+                });
             }
         }
-        let lock = DIRECTORY_LOCK.load(Ordering::Acquire);
-        // SAFETY: the tranche's lock lives in the main LWLock array for the server's lifetime.
-        unsafe { pg_sys::LWLockAcquire(lock, pg_sys::LWLockMode::LW_EXCLUSIVE) };
-        let _guard = Guard(lock);
-        f()
+        if name != directory::DEFAULT_CAP && key == gucs::lock_key() {
+            return Err(CapError::KeyCollision {
+                other: directory::DEFAULT_CAP.to_string(),
+                key,
+            });
+        }
+        let order = arena::order_for(slots.max(1));
+        let mut entry = self
+            .entries
+            .iter()
+            .position(|e| e.dboid.load(Ordering::Relaxed) == 0);
+        let mut block = self.buddy().alloc(order);
+        if entry.is_none() || block.is_none() {
+            self.reclaim_idle(exists, order);
+            entry = entry.or_else(|| {
+                self.entries
+                    .iter()
+                    .position(|e| e.dboid.load(Ordering::Relaxed) == 0)
+            });
+            block = block.or_else(|| self.buddy().alloc(order));
+        }
+        let Some(i) = entry else {
+            if let Some(b) = block {
+                self.buddy().free(b);
+            }
+            request_flush();
+            return Err(CapError::NoEntry {
+                max_caps: self.header.max_caps,
+                held: self.live().filter(|e| !e.idle()).count() as u32,
+            });
+        };
+        let Some(block) = block else {
+            request_flush();
+            return Err(CapError::NoMemory { slots });
+        };
+        let e = self.entry(i as u32);
+        // A free entry has no pins and a generation above any reference to its last cap.
+        e.state.fetch_or(LOCKED, Ordering::AcqRel);
+        e.block.store(block, Ordering::Relaxed);
+        e.capacity.store(arena::capacity(order), Ordering::Relaxed);
+        self.clear_block(e);
+        e.key.store(key, Ordering::Relaxed);
+        e.set_name(name);
+        let hash = directory::index_hash(db, name);
+        e.hash.store(hash, Ordering::Relaxed);
+        e.dboid.store(db, Ordering::Release);
+        self.index().insert(hash, i as u32);
+        e.state.fetch_and(!LOCKED, Ordering::AcqRel);
+        if self.live().count() as u32 * 4 >= self.header.max_caps * 3 {
+            request_flush(); // crowded: get idle caps' counts into their rows
+        }
+        Ok(self.cap_ref(i as u32))
     }
 
-    fn pool_at(&self, i: usize) -> Pool {
-        let words = self.header.words_per_pool as usize;
-        let slots = self.header.max_slots as usize;
-        Pool {
-            header: &self.pools[i],
-            bits: &self.words[i * words..(i + 1) * words],
-            records: &self.records[i * slots..(i + 1) * slots],
+    fn cap_ref(&self, i: u32) -> CapRef {
+        CapRef {
+            entry: i,
+            generation: generation(self.entry(i).state.load(Ordering::Acquire)),
         }
     }
+
+    fn clear_block(&self, e: &CapEntry) {
+        let (records, bits) = self.block(e);
+        for r in records {
+            r.clear();
+        }
+        for w in bits {
+            w.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Under the exclusive lock: reclaims idle caps (and those of dropped databases, which
+    /// `exists` denies) until an entry is free and a block of `order` can be had.
+    fn reclaim_idle(&self, exists: &dyn Fn(u32) -> bool, order: u32) {
+        for i in 0..self.entries.len() as u32 {
+            let e = self.entry(i);
+            let db = e.dboid.load(Ordering::Relaxed);
+            if db == 0 {
+                continue;
+            }
+            let dropped = !exists(db);
+            if (dropped || e.idle()) && self.try_reclaim(i, dropped) && self.buddy_has(order) {
+                return;
+            }
+        }
+    }
+
+    fn buddy_has(&self, order: u32) -> bool {
+        match self.buddy().alloc(order) {
+            Some(b) => {
+                self.buddy().free(b);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Under the exclusive lock: frees entry `i` if nothing refers to it. With `dropped`, its
+    /// pending counts go too (its database no longer exists), and the log says so.
+    fn try_reclaim(&self, i: u32, dropped: bool) -> bool {
+        let e = self.entry(i);
+        let s = e.state.fetch_or(LOCKED, Ordering::AcqRel);
+        let (_, bits) = self.block(e);
+        let busy = s & LOCKED != 0
+            || s & PINS != 0
+            || bits.iter().any(|w| w.load(Ordering::Acquire) != 0)
+            || e.flusher.load(Ordering::Acquire) != 0
+            || (!dropped && !e.flush_state().pending(None).is_zero());
+        if busy {
+            if s & LOCKED == 0 {
+                e.state.fetch_and(!LOCKED, Ordering::AcqRel);
+            }
+            return false;
+        }
+        if dropped {
+            let p = e.flush_state().pending(None);
+            let counts = if p.is_zero() {
+                String::new()
+            } else {
+                format!(
+                    "; dropped its pending counters ({} acquired, {} throttled)",
+                    p.acquired, p.throttled
+                )
+            };
+            pgrx::log!(
+                "stage_e_slots: reclaimed cap \"{}\" of dropped database {}{counts}",
+                e.name(),
+                e.dboid.load(Ordering::Relaxed),
+            );
+        }
+        let hash = e.hash.load(Ordering::Relaxed);
+        self.index()
+            .remove(hash, i, |o| self.entry(o).hash.load(Ordering::Relaxed));
+        self.buddy().free(e.block.load(Ordering::Relaxed));
+        let zero = CounterValues::default();
+        e.counters.store(zero);
+        e.carried.store(zero);
+        e.flushed.store(zero);
+        e.inflight.store(zero);
+        e.inflight_id.store(0, Ordering::Relaxed);
+        e.capacity.store(0, Ordering::Relaxed);
+        e.dboid.store(0, Ordering::Release);
+        // New generation, unlocked, no pins: every cached reference to the old cap now fails.
+        let next = (generation(s) as u64 + 1) << 32;
+        e.state.store(next, Ordering::Release);
+        true
+    }
+
+    /// Under the exclusive lock: moves the cap to a block of at least `slots` slots.
+    fn grow(&self, cap: CapRef, slots: u32) -> Result<(), CapError> {
+        let e = self.entry(cap.entry);
+        let s = e.state.fetch_or(LOCKED, Ordering::AcqRel);
+        if generation(s) != cap.generation || s & LOCKED != 0 {
+            if s & LOCKED == 0 {
+                e.state.fetch_and(!LOCKED, Ordering::AcqRel);
+            }
+            return Ok(()); // reclaimed meanwhile: the caller looks it up again
+        }
+        let unlock = || e.state.fetch_and(!LOCKED, Ordering::AcqRel);
+        if e.capacity.load(Ordering::Relaxed) >= slots {
+            unlock();
+            return Ok(());
+        }
+        // No new pin can start; wait (briefly) for the current ones to end.
+        let mut waited = 0;
+        while e.state.load(Ordering::Acquire) & PINS != 0 {
+            if waited > 20_000 {
+                unlock();
+                return Err(CapError::Busy);
+            }
+            // SAFETY: a plain sleep.
+            unsafe { pg_sys::pg_usleep(50) };
+            waited += 1;
+        }
+        let order = arena::order_for(slots);
+        let new = match self.buddy().alloc(order) {
+            Some(b) => b,
+            None => {
+                unlock();
+                return Err(CapError::NoMemory { slots });
+            }
+        };
+        let (old_records, old_bits) = self.block(e);
+        let old_block = e.block.load(Ordering::Relaxed);
+        e.block.store(new, Ordering::Relaxed);
+        e.capacity.store(arena::capacity(order), Ordering::Relaxed);
+        self.clear_block(e);
+        let (records, bits) = self.block(e);
+        for (to, from) in records.iter().zip(old_records) {
+            let (pid, at) = from.get();
+            to.set(pid, at);
+        }
+        for (to, from) in bits.iter().zip(old_bits) {
+            to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        self.buddy().free(old_block);
+        e.state.fetch_and(!LOCKED, Ordering::AcqRel);
+        Ok(())
+    }
 }
 
-/// The pool of database `dboid`, found without a lock (the acquire path's lookup, once per
-/// backend). None when the database has not used the extension since start.
-pub fn pool(dboid: pg_sys::Oid) -> Option<Pool> {
+/// Pins cap `cap` (a reference cached by this backend); None if it was reclaimed since.
+pub fn pin(cap: CapRef) -> Option<Cap> {
+    segment()?.entry(cap.entry).pin(cap)
+}
+
+/// The cap `(db, name)` pinned, if it exists: a lookup under the shared directory lock (which
+/// keeps it from being reclaimed or grown meanwhile, so the pin is immediate).
+pub fn lookup(db: u32, name: &str) -> Option<Cap> {
     let seg = segment()?;
-    seg.find(dboid.to_u32()).map(|i| seg.pool_at(i))
+    locked(SHARED, || {
+        let i = seg.find(db, name)?;
+        seg.entry(i).pin(seg.cap_ref(i))
+    })
 }
 
-/// The pool of database `dboid`, taking a free entry on first use. When every entry is taken,
-/// the entries of databases that no longer exist (`exists` says which) are reclaimed first.
-pub fn create_pool(
-    dboid: pg_sys::Oid,
+/// The cap `(db, name)` pinned, created (with room for `slots` slots) if it does not exist.
+/// `exists` says whether a database still exists (a catalog lookup, made only when full).
+pub fn create(
+    db: u32,
+    name: &str,
+    slots: u32,
     exists: impl Fn(u32) -> bool,
-) -> Result<Option<Pool>, PoolsFull> {
+) -> Result<Option<Cap>, CapError> {
     let Some(seg) = segment() else {
         return Ok(None);
     };
-    let me = dboid.to_u32();
-    if let Some(i) = seg.find(me) {
-        return Ok(Some(seg.pool_at(i)));
-    }
-    if let Some(i) = seg.locked(|| seg.find_or_take(me)) {
-        return Ok(Some(seg.pool_at(i)));
-    }
-    // Full. Which entries belong to dropped databases is a catalog lookup, made outside the
-    // lock; each is then reclaimed under it only if it still belongs to that database.
-    let dropped: Vec<u32> = seg
-        .pools
-        .iter()
-        .map(|e| e.dboid.load(Ordering::Acquire))
-        .filter(|&db| db != 0 && db != me && !exists(db))
-        .collect();
-    for db in dropped {
-        reclaim(db);
-    }
-    match seg.locked(|| seg.find_or_take(me)) {
-        Some(i) => Ok(Some(seg.pool_at(i))),
-        None => Err(PoolsFull {
-            max_databases: seg.header.max_databases,
-        }),
-    }
-}
-
-/// Frees the entry of database `db`, which no longer exists, dropping its pending counts with
-/// a LOG line. False if it has no entry or a flush of it is in progress.
-pub fn reclaim(db: u32) -> bool {
-    let Some(seg) = segment() else {
-        return false;
+    let key = cap_key(name);
+    // Which full caps belong to dropped databases is a catalog lookup, made before taking the
+    // lock (and only when the directory is crowded).
+    let crowded = seg.live().count() as u32 >= seg.header.max_caps;
+    let gone: Vec<u32> = if crowded {
+        let mut dbs: Vec<u32> = seg
+            .live()
+            .map(|e| e.dboid.load(Ordering::Relaxed))
+            .collect();
+        dbs.sort_unstable();
+        dbs.dedup();
+        dbs.into_iter().filter(|&d| d != db && !exists(d)).collect()
+    } else {
+        Vec::new()
     };
-    let dropped = seg.locked(|| {
-        let i = seg.find(db)?;
-        let pool = seg.pool_at(i);
-        // Taking the flusher role shuts out a flush; nobody is connected to a dropped
-        // database, so nothing else writes the entry.
-        if !pool.try_begin_flush(-1) {
-            return None;
+    locked(EXCLUSIVE, || {
+        let cap = seg.create(db, name, key, slots, &|d| !gone.contains(&d))?;
+        Ok(seg.entry(cap.entry).pin(cap))
+    })
+}
+
+/// Moves `cap` to a block with room for `slots` slots (its holders keep theirs).
+pub fn grow(cap: CapRef, slots: u32) -> Result<(), CapError> {
+    let Some(seg) = segment() else { return Ok(()) };
+    locked(EXCLUSIVE, || seg.grow(cap, slots))
+}
+
+/// Reclaims every cap of database `db`, which no longer exists (the launcher's round).
+pub fn reclaim_database(db: u32) {
+    let Some(seg) = segment() else { return };
+    locked(EXCLUSIVE, || {
+        for i in 0..seg.entries.len() as u32 {
+            if seg.entry(i).dboid.load(Ordering::Relaxed) == db {
+                seg.try_reclaim(i, true);
+            }
         }
-        let pending = pool.flush_state().pending(None);
-        pool.wipe();
-        Some(pending)
     });
-    match dropped {
-        Some(pending) => {
-            pgrx::log!(
-                "stage_e_slots: reclaimed the entry of dropped database {db}; dropped its pending \
-                 counters ({} acquired, {} throttled)",
-                pending.acquired,
-                pending.throttled
-            );
-            true
+}
+
+/// Pinned caps of database `db` (every cap when `db` is None), in entry order.
+pub fn caps(db: Option<u32>) -> Vec<Cap> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    (0..seg.entries.len() as u32)
+        .filter_map(|i| {
+            let e = seg.entry(i);
+            let d = e.dboid.load(Ordering::Acquire);
+            if d == 0 || db.is_some_and(|want| want != d) {
+                return None;
+            }
+            let cap = seg.cap_ref(i);
+            let pinned = e.pin(cap)?;
+            // Re-check under the pin: the entry may have been reclaimed and reused.
+            (pinned.database() == d).then_some(pinned)
+        })
+        .collect()
+}
+
+/// Databases that have caps with counts pending, for the launcher.
+pub fn databases_with_pending() -> Vec<u32> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut dbs: Vec<u32> = seg
+        .live()
+        .filter(|e| {
+            e.flusher.load(Ordering::Acquire) == 0 && !e.flush_state().pending(None).is_zero()
+        })
+        .map(|e| e.dboid.load(Ordering::Relaxed))
+        .filter(|&d| d != 0)
+        .collect();
+    dbs.sort_unstable();
+    dbs.dedup();
+    dbs
+}
+
+/// Every database with a live cap.
+pub fn databases() -> Vec<u32> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut dbs: Vec<u32> = seg
+        .live()
+        .map(|e| e.dboid.load(Ordering::Relaxed))
+        .collect();
+    dbs.sort_unstable();
+    dbs.dedup();
+    dbs
+}
+
+/// A unique, increasing id for the next flush (microseconds, bumped past the last id).
+pub fn next_flush_id(now_us: u64) -> u64 {
+    let Some(seg) = segment() else { return now_us };
+    let last = &seg.header.last_flush_id;
+    let mut cur = last.load(Ordering::Relaxed);
+    loop {
+        let id = now_us.max(cur + 1);
+        match last.compare_exchange_weak(cur, id, Ordering::AcqRel, Ordering::Relaxed) {
+            Ok(_) => return id,
+            Err(now) => cur = now,
         }
-        None => false,
     }
 }
 
-// The benchmark's memory target is per slot per database: keep the record at 16 bytes.
-const _: () = assert!(size_of::<SlotRecord>() == 16);
-const _: () =
-    assert!(size_of::<Header>().is_multiple_of(8) && size_of::<PoolHeader>().is_multiple_of(8));
+/// How full the directory and the arena are: (live caps, max_caps, free pages, pages).
+pub fn usage() -> (u32, u32, u64, u32) {
+    let Some(seg) = segment() else {
+        return (0, 0, 0, 0);
+    };
+    let pages = locked(SHARED, || seg.buddy().free_pages());
+    (
+        seg.live().count() as u32,
+        seg.header.max_caps,
+        pages,
+        seg.header.pages,
+    )
+}
+
+/// Asks the launcher for a flush round now.
+pub fn request_flush() {
+    let Some(seg) = segment() else { return };
+    seg.header.flush_requested.store(1, Ordering::Release);
+    let proc_ = seg.header.launcher.load(Ordering::Acquire);
+    if !proc_.is_null() {
+        // SAFETY: a PGPROC lives in shared memory for the server's lifetime; setting the latch
+        // of a process that has since exited wakes at worst an unrelated process once.
+        unsafe { pg_sys::SetLatch(&raw mut (*proc_).procLatch) };
+    }
+}
+
+/// The launcher registers itself to be woken by [`request_flush`]; returns whether a flush
+/// was requested since the last call.
+pub fn launcher_wakeup(register: bool) -> bool {
+    let Some(seg) = segment() else { return false };
+    if register {
+        // SAFETY: MyProc is this process's PGPROC, set at start-up.
+        seg.header
+            .launcher
+            .store(unsafe { pg_sys::MyProc }, Ordering::Release);
+    }
+    seg.header.flush_requested.swap(0, Ordering::AcqRel) != 0
+}

@@ -1,22 +1,24 @@
-//! The cap itself, in plain Rust over the lock manager (`locks`), shared memory (`shmem`) and
-//! this backend's state (`session`). The SQL functions in `api` only translate arguments and
-//! map [`SlotError`] to ERRORs.
+//! The caps themselves, in plain Rust over the lock manager (`locks`), shared memory (`shmem`)
+//! and this backend's state (`session`). The SQL functions in `api` only translate arguments
+//! and map [`SlotError`] to ERRORs.
 //!
 //! Invariants:
 //! - A slot is returned only after `LockAcquire` granted this session a *new* lock on it, so
-//!   the lock manager alone bounds holders of `[0, n)` by n, whatever shared memory says.
+//!   the lock manager alone bounds holders of a cap's `[0, n)` by n, whatever shared memory says.
 //! - A slot's occupancy bit is set while a backend holds it through the extension (or is
 //!   probing it), and cleared only by that backend: on release, at transaction end if the lock
 //!   vanished, at exit. So a set bit never outlives its lock past the holder's transaction.
+//! - Shared memory is touched only with the cap pinned (`shmem::Cap`), so a cap is never
+//!   reclaimed or moved under a backend that is using it.
 
 use crate::counters::CounterValues;
+use crate::directory::{self, NameError, DEFAULT_CAP};
 use crate::gucs;
 use crate::locks::{self, Probe};
 use crate::occupancy;
-use crate::session;
-use crate::shmem::{self, Counters, Pool};
-use std::cell::Cell;
-use std::sync::atomic::AtomicU64;
+use crate::session::{self, Held};
+use crate::shmem::{self, Cap, CapError, Counter};
+use std::collections::HashMap;
 
 #[derive(Debug, PartialEq)]
 pub enum SlotError {
@@ -26,7 +28,8 @@ pub enum SlotError {
     NullArgument { name: &'static str },
     CapOutOfRange { n: i32, max_slots: u32 },
     SlotOutOfRange { slot: i32, max_slots: u32 },
-    DatabasesFull { max_databases: u32 },
+    BadCapName(NameError),
+    Cap { cap: String, error: CapError },
 }
 
 pub enum Release {
@@ -34,26 +37,22 @@ pub enum Release {
     NotHeld { holder: Option<i32> },
 }
 
-pub struct Stats {
-    pub max_slots: u32,
+pub struct CapStats {
+    pub cap: String,
     pub held: u32,
     pub counts: CounterValues,
 }
 
 pub struct Holder {
+    pub cap: String,
     pub slot: u32,
     pub pid: i32,
     /// None for a slot locked with raw `pg_advisory_lock` rather than through the extension.
     pub acquired_at: Option<i64>,
 }
 
-thread_local! {
-    /// This backend's pool: its database never changes, so look it up once.
-    static MY_POOL: Cell<Option<Pool>> = const { Cell::new(None) };
-}
-
-/// Refuses to run without the cap's shared state or on a standby (whose locks do not
-/// coordinate with the primary's): fail closed, never an uncapped slot.
+/// Refuses to run without the cap's shared state, on a standby (whose locks do not coordinate
+/// with the primary's) or in parallel mode: fail closed, never an uncapped slot.
 pub fn ready() -> Result<(), SlotError> {
     if !shmem::attached() {
         return Err(SlotError::NotPreloaded);
@@ -70,39 +69,19 @@ pub fn ready() -> Result<(), SlotError> {
     Ok(())
 }
 
-/// This database's pool, if it has used the extension since start.
-fn my_pool() -> Option<Pool> {
-    if let Some(p) = MY_POOL.get() {
-        return Some(p);
+/// Reading needs the shared state only (it works on a standby).
+pub fn attached() -> Result<(), SlotError> {
+    if shmem::attached() {
+        Ok(())
+    } else {
+        Err(SlotError::NotPreloaded)
     }
-    let found = shmem::pool(session::database());
-    if found.is_some() {
-        MY_POOL.set(found);
-    }
-    found
 }
 
-/// The current database's pool for the flush and stats paths; never takes an entry.
-pub fn pool_of_this_database() -> Result<Option<Pool>, SlotError> {
-    if !shmem::attached() {
-        return Err(SlotError::NotPreloaded);
-    }
-    Ok(my_pool())
-}
-
-/// This database's pool, taking an entry on first use: only `stage_e_try_slot` does this, so
-/// reading, releasing or flushing in a database never uses one up.
-fn pool_for_acquire() -> Result<Pool, SlotError> {
-    if let Some(p) = my_pool() {
-        return Ok(p);
-    }
-    let created = shmem::create_pool(session::database(), session::database_exists)
-        .map_err(|e| SlotError::DatabasesFull {
-            max_databases: e.max_databases,
-        })?
-        .ok_or(SlotError::NotPreloaded)?;
-    MY_POOL.set(Some(created));
-    Ok(created)
+fn check_name(cap: Option<&str>) -> Result<&str, SlotError> {
+    let cap = cap.ok_or(SlotError::NullArgument { name: "cap" })?;
+    directory::check_name(cap).map_err(SlotError::BadCapName)?;
+    Ok(cap)
 }
 
 fn check_cap(n: Option<i32>) -> Result<u32, SlotError> {
@@ -123,54 +102,105 @@ fn check_slot(slot: Option<i32>) -> Result<u32, SlotError> {
     Ok(slot as u32)
 }
 
-/// Drops the extension's bookkeeping for a slot this backend tracked.
-fn forget(pool: Pool, slot: u32) {
-    pool.record(slot).clear();
-    occupancy::clear(pool.bits(), slot);
-    session::untrack(slot);
+/// `stage_e_cap_key(cap)`: the first int4 of the cap's advisory locks.
+pub fn cap_key(cap: Option<&str>) -> Result<i32, SlotError> {
+    attached()?;
+    Ok(shmem::cap_key(check_name(cap)?))
 }
 
-/// `stage_e_try_slot(n)`: the lowest free slot in `[0, n)`, now held by this session, or
-/// None (throttled, counted once).
-pub fn try_slot(n: Option<i32>) -> Result<Option<u32>, SlotError> {
+/// The cap named `name` pinned, if it exists: through this backend's cache, else a lookup.
+/// Never creates one.
+fn existing(name: &str) -> Option<Cap> {
+    if let Some(r) = session::cached_cap(name) {
+        if let Some(cap) = shmem::pin(r) {
+            return Some(cap);
+        }
+        session::cache_cap(name, None); // reclaimed since
+    }
+    let cap = shmem::lookup(session::database().to_u32(), name)?;
+    session::cache_cap(name, Some(cap.cap));
+    Some(cap)
+}
+
+/// The cap named `name` pinned, created on first use and grown to hold `n` slots: only
+/// `stage_e_try_slot` does this, so reading or releasing never uses up an entry.
+fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
+    let fail = |error| SlotError::Cap {
+        cap: name.to_string(),
+        error,
+    };
+    loop {
+        let cap = match existing(name) {
+            Some(cap) => cap,
+            None => {
+                let cap = shmem::create(
+                    session::database().to_u32(),
+                    name,
+                    n,
+                    session::database_exists,
+                )
+                .map_err(fail)?
+                .ok_or(SlotError::NotPreloaded)?;
+                session::cache_cap(name, Some(cap.cap));
+                cap
+            }
+        };
+        if cap.capacity() >= n {
+            return Ok(cap);
+        }
+        let r = cap.cap;
+        drop(cap); // growing waits for pins to end, ours included
+        shmem::grow(r, n).map_err(fail)?;
+    }
+}
+
+/// `stage_e_try_slot(cap, n)`: the lowest free slot in `[0, n)` of the cap, now held by this
+/// session, or None (throttled, counted once).
+pub fn try_slot(cap: Option<&str>, n: Option<i32>) -> Result<Option<u32>, SlotError> {
     ready()?;
+    let name = check_name(cap)?;
     let n = check_cap(n)?;
-    let pool = pool_for_acquire()?;
+    let cap = for_acquire(name, n)?;
     session::ensure_hooks();
-    let counters = pool.counters();
-    if let Some(slot) = search(pool, n) {
-        Counters::bump(&counters.acquired, 1);
+    if let Some(slot) = search(&cap, n) {
+        cap.counters().bump(Counter::Acquired, 1);
         return Ok(Some(slot));
     }
     // Before saying "throttled": this session may have dropped one of its own slots' locks
     // earlier in this very transaction (transaction end would clear it). Clear such slots now
-    // and look once more; a session holding no slot skips this.
-    if session::tracks_any() && reconcile_with(pool) > 0 {
-        if let Some(slot) = search(pool, n) {
-            Counters::bump(&counters.acquired, 1);
+    // and look once more; a session holding no slot of this cap skips this.
+    if reconcile_cap(cap.key()) > 0 {
+        if let Some(slot) = search(&cap, n) {
+            cap.counters().bump(Counter::Acquired, 1);
             return Ok(Some(slot));
         }
     }
-    Counters::bump(&counters.throttled, 1);
+    cap.counters().bump(Counter::Throttled, 1);
     Ok(None)
 }
 
 /// Takes the lowest slot of `[0, n)` that is clear in the bitmap and free in the lock manager.
-fn search(pool: Pool, n: u32) -> Option<u32> {
+fn search(cap: &Cap, n: u32) -> Option<u32> {
+    let key = cap.key();
+    let bits = cap.bits();
     let mut from = 0;
-    while let Some(claim) = occupancy::claim_first_free(pool.bits(), from, n) {
+    while let Some(claim) = occupancy::claim_first_free(bits, from, n) {
         let slot = claim.slot();
-        match locks::try_lock(slot) {
+        match locks::try_lock(key, slot) {
             Probe::Acquired => {
-                pool.record(slot)
+                cap.record(slot)
                     .set(session::pid(), session::statement_start());
-                session::track(slot);
+                session::track(Held {
+                    cap: cap.cap,
+                    key,
+                    slot,
+                });
                 return Some(claim.keep());
             }
             // Held by this very session through a raw advisory lock: giving it out again would
             // count one lock twice. Undo the re-entrant count and look further.
             Probe::AlreadyMine => {
-                locks::unlock(slot);
+                locks::unlock(key, slot);
             }
             // Held through a raw advisory lock by another session: it counts as taken.
             Probe::Busy => {}
@@ -180,67 +210,85 @@ fn search(pool: Pool, n: u32) -> Option<u32> {
     None
 }
 
-/// `stage_e_release(slot)`: releases the slot if this session holds it; otherwise changes
+/// Drops the extension's bookkeeping for a slot this backend tracked.
+fn forget(held: Held) {
+    if let Some(cap) = shmem::pin(held.cap) {
+        cap.record(held.slot).clear();
+        occupancy::clear(cap.bits(), held.slot);
+    }
+    session::untrack(held);
+}
+
+fn bump(held: Held, which: Counter, by: u64) {
+    if let Some(cap) = shmem::pin(held.cap) {
+        cap.counters().bump(which, by);
+    }
+}
+
+/// `stage_e_release(cap, slot)`: releases the slot if this session holds it; otherwise changes
 /// nothing but the foreign-release count and reports who does hold it.
-pub fn release(slot: Option<i32>) -> Result<Release, SlotError> {
+pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotError> {
     ready()?;
+    let name = check_name(cap)?;
     let slot = check_slot(slot)?;
-    // No pool: nobody in this database took a slot through the extension since start. The
-    // call still answers truthfully, but there is nowhere to count it.
-    let pool = my_pool();
-    let count = |c: fn(&Counters) -> &AtomicU64| {
-        if let Some(p) = pool {
-            Counters::bump(c(p.counters()), 1);
+    let key = shmem::cap_key(name);
+    // Counted on the cap if it exists here; a release never creates one.
+    let count = |which| {
+        if let Some(cap) = existing(name) {
+            cap.counters().bump(which, 1);
         }
     };
     // A tracked slot is held unless its lock was dropped behind our back earlier in this
     // transaction (transaction end reconciles), so go straight to the lock manager; an untracked
     // one is checked first, so that a foreign release does not draw core's WARNING too.
-    let tracked = session::is_tracked(slot);
-    if (tracked || locks::held_by_me(slot)) && locks::unlock(slot) {
-        if let (true, Some(p)) = (tracked, pool) {
-            forget(p, slot);
+    let tracked = session::tracked_slot(key, slot);
+    if (tracked.is_some() || locks::held_by_me(key, slot)) && locks::unlock(key, slot) {
+        if let Some(held) = tracked {
+            forget(held);
         }
-        count(|c| &c.released);
+        count(Counter::Released);
         return Ok(Release::Released);
     }
-    if let (true, Some(p)) = (tracked, pool) {
-        lost(p, slot);
+    if let Some(held) = tracked {
+        lost(held);
     }
-    count(|c| &c.foreign_releases);
+    count(Counter::ForeignReleases);
     Ok(Release::NotHeld {
-        holder: locks::holder_of(slot),
+        holder: locks::holder_of(key, slot),
     })
 }
 
-/// `stage_e_release_all()`: releases every slot this session took through the extension.
-pub fn release_all() -> Result<u32, SlotError> {
+/// `stage_e_release_all(cap)`, or with None `stage_e_release_all()`: releases every slot this
+/// session took through the extension (of that cap, or of every cap).
+pub fn release_all(cap: Option<Option<&str>>) -> Result<u32, SlotError> {
     ready()?;
-    let Some(pool) = my_pool() else {
-        return Ok(0); // nothing can be tracked without a pool
+    let key = match cap {
+        Some(name) => Some(shmem::cap_key(check_name(name)?)),
+        None => None,
     };
     let mut released = 0;
-    for slot in session::tracked() {
-        if locks::held_by_me(slot) {
-            locks::unlock(slot);
-            forget(pool, slot);
+    for held in session::tracked(key) {
+        if locks::held_by_me(held.key, held.slot) {
+            locks::unlock(held.key, held.slot);
+            bump(held, Counter::Released, 1);
+            forget(held);
             released += 1;
         } else {
-            lost(pool, slot);
+            lost(held);
         }
     }
-    Counters::bump(&pool.counters().released, released as u64);
     Ok(released)
 }
 
-/// `stage_e_holding(slot)`: whether this session holds the slot's lock right now.
-pub fn holding(slot: Option<i32>) -> Result<bool, SlotError> {
+/// `stage_e_holding(cap, slot)`: whether this session holds the slot's lock right now.
+pub fn holding(cap: Option<&str>, slot: Option<i32>) -> Result<bool, SlotError> {
     ready()?;
+    let key = shmem::cap_key(check_name(cap)?);
     let slot = check_slot(slot)?;
-    let held = locks::held_by_me(slot);
-    if !held && session::is_tracked(slot) {
-        if let Some(pool) = my_pool() {
-            lost(pool, slot);
+    let held = locks::held_by_me(key, slot);
+    if !held {
+        if let Some(h) = session::tracked_slot(key, slot) {
+            lost(h);
         }
     }
     Ok(held)
@@ -248,29 +296,31 @@ pub fn holding(slot: Option<i32>) -> Result<bool, SlotError> {
 
 /// A tracked slot whose lock this session no longer has: it was dropped behind the extension's
 /// back. Clear it so it is usable again, count it as released, and say so in the log.
-fn lost(pool: Pool, slot: u32) {
-    forget(pool, slot);
-    Counters::bump(&pool.counters().released, 1);
+fn lost(held: Held) {
+    let name = shmem::pin(held.cap).map(|c| c.name()).unwrap_or_default();
+    bump(held, Counter::Released, 1);
+    forget(held);
     pgrx::log!(
-        "stage_e_slots: slot {slot} of pid {} was released outside stage_e_release \
+        "stage_e_slots: slot {} of cap \"{name}\" of pid {} was released outside stage_e_release \
          (DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again",
+        held.slot,
         session::pid()
     );
 }
 
 /// Transaction end in a backend that tracks slots: clear any whose lock has gone.
 pub fn reconcile() {
-    if let Some(pool) = my_pool() {
-        reconcile_with(pool);
+    for held in session::tracked_where(|h| !locks::held_by_me(h.key, h.slot)) {
+        lost(held);
     }
 }
 
-/// Clears this backend's tracked slots whose lock it no longer holds (a local lookup each);
-/// returns how many.
-fn reconcile_with(pool: Pool) -> usize {
-    let gone = session::tracked_where(|s| !locks::held_by_me(s));
-    for &slot in &gone {
-        lost(pool, slot);
+/// Clears this backend's tracked slots of the cap with key `key` whose lock it no longer holds
+/// (a local lookup each); returns how many.
+fn reconcile_cap(key: i32) -> usize {
+    let gone = session::tracked_where(|h| h.key == key && !locks::held_by_me(h.key, h.slot));
+    for &held in &gone {
+        lost(held);
     }
     gone.len()
 }
@@ -278,58 +328,94 @@ fn reconcile_with(pool: Pool) -> usize {
 /// Backend exit (disconnect, pg_terminate_backend, client killed): release held slots now,
 /// count them, and log the incident's signature.
 pub fn release_on_exit() {
-    let Some(pool) = my_pool() else {
-        return;
-    };
-    let mut released = Vec::new();
-    for slot in session::tracked() {
-        if locks::held_by_me(slot) {
-            locks::unlock(slot);
-            released.push(slot.to_string());
+    let mut released: Vec<(String, Vec<u32>)> = Vec::new();
+    for held in session::tracked(None) {
+        if locks::held_by_me(held.key, held.slot) {
+            locks::unlock(held.key, held.slot);
+            let name = shmem::pin(held.cap).map(|c| c.name()).unwrap_or_default();
+            match released.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, slots)) => slots.push(held.slot),
+                None => released.push((name, vec![held.slot])),
+            }
+            bump(held, Counter::ReleasedByExit, 1);
         }
-        forget(pool, slot);
+        forget(held);
     }
     if released.is_empty() {
         return;
     }
-    Counters::bump(&pool.counters().released_by_exit, released.len() as u64);
+    let what: Vec<String> = released
+        .iter()
+        .map(|(name, slots)| {
+            let list: Vec<String> = slots.iter().map(u32::to_string).collect();
+            format!("{} of cap \"{name}\"", list.join(", "))
+        })
+        .collect();
     pgrx::log!(
         "stage_e_slots: backend pid {} (application_name \"{}\") exited holding slot(s) {}; released",
         session::pid(),
         session::application_name(),
-        released.join(", ")
+        what.join("; ")
     );
 }
 
-/// `stage_e_stats()` for the current database. `held` comes from the lock manager.
-pub fn stats() -> Result<Stats, SlotError> {
-    let counts = pool_of_this_database()?
-        .map(|p| p.counters().load())
-        .unwrap_or_default();
-    let max_slots = gucs::max_slots();
-    Ok(Stats {
-        max_slots,
-        held: locks::granted_holders(max_slots).len() as u32,
-        counts,
-    })
+/// The live caps of the current database by lock key, and `default`'s key whether live or not
+/// (a raw lock on `(lock_key, s)` is a holder of `default`).
+fn caps_by_key() -> HashMap<i32, (String, Option<Cap>)> {
+    let mut by_key: HashMap<i32, (String, Option<Cap>)> =
+        shmem::caps(Some(session::database().to_u32()))
+            .into_iter()
+            .map(|c| (c.key(), (c.name(), Some(c))))
+            .collect();
+    by_key
+        .entry(gucs::lock_key())
+        .or_insert_with(|| (DEFAULT_CAP.to_string(), None));
+    by_key
 }
 
-/// Held slots of the current database per the lock manager, with the acquisition time where
-/// the extension recorded it.
-pub fn holders() -> Result<Vec<Holder>, SlotError> {
-    let pool = pool_of_this_database()?;
-    Ok(locks::granted_holders(gucs::max_slots())
+/// `stage_e_stats()`: one row per cap in use in the current database, counted since the cap
+/// was created (server start, or its reclaim); `held` comes from the lock manager.
+pub fn stats() -> Result<Vec<CapStats>, SlotError> {
+    attached()?;
+    let granted = locks::granted(gucs::max_slots());
+    let mut out: Vec<CapStats> = caps_by_key()
         .into_iter()
-        .map(|(slot, pid)| {
-            let acquired_at = pool
-                .map(|p| p.record(slot).get())
-                .filter(|&(recorded, _)| recorded == pid)
-                .map(|(_, at)| at);
-            Holder {
-                slot,
-                pid,
-                acquired_at,
-            }
+        .filter_map(|(key, (name, cap))| {
+            let cap = cap?;
+            Some(CapStats {
+                cap: name,
+                held: granted.iter().filter(|g| g.key == key).count() as u32,
+                counts: cap.counters().load(),
+            })
         })
-        .collect())
+        .collect();
+    out.sort_by(|a, b| a.cap.cmp(&b.cap));
+    Ok(out)
+}
+
+/// Held slots of the current database per the lock manager (caps this server knows by name,
+/// and `default`), with the acquisition time where the extension recorded it.
+pub fn holders() -> Result<Vec<Holder>, SlotError> {
+    attached()?;
+    let by_key = caps_by_key();
+    let mut out: Vec<Holder> = locks::granted(gucs::max_slots())
+        .into_iter()
+        .filter_map(|g| {
+            let (name, cap) = by_key.get(&g.key)?;
+            let acquired_at = cap
+                .as_ref()
+                .filter(|c| g.slot < c.capacity())
+                .map(|c| c.record(g.slot).get())
+                .filter(|&(pid, _)| pid == g.pid)
+                .map(|(_, at)| at);
+            Some(Holder {
+                cap: name.clone(),
+                slot: g.slot,
+                pid: g.pid,
+                acquired_at,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| (&a.cap, a.slot).cmp(&(&b.cap, b.slot)));
+    Ok(out)
 }

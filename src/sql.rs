@@ -5,7 +5,7 @@
 //! - Each runs with `search_path` pinned to `pg_catalog, pg_temp`, saved and restored around the
 //!   statement as fmgr does for a function with `SET search_path`, so neither the database's,
 //!   the role's nor the caller's setting applies.
-//! - The extension's own objects are named with the extension's schema ([`extension_schema`]),
+//! - The extension's own objects are named with the extension's schema ([`extension`]),
 //!   and every operator is written `OPERATOR(pg_catalog.x)`: a schema earlier in nobody's path
 //!   can then supply a better-matching `+` or `=`.
 //! - Reads go through read-only SPI ([`read`]), which assigns no transaction id: they work on a
@@ -74,20 +74,39 @@ pub fn set_local(name: &CStr, value: &CStr) {
     }
 }
 
-/// The extension's schema in the current database, quoted for SQL, or None when the extension
-/// is not installed here.
-pub fn extension_schema() -> Option<String> {
+/// The extension as installed in the current database.
+pub struct Extension {
+    /// Its schema, quoted for SQL.
+    pub schema: String,
+    pub version: String,
+}
+
+impl Extension {
+    /// A database whose library was updated but whose `ALTER EXTENSION UPDATE` has not run:
+    /// the 0.1.0 objects (one counter row, no caps) are still what its SQL sees.
+    pub fn at_0_1_0(&self) -> bool {
+        self.version == "0.1.0"
+    }
+}
+
+/// The extension in the current database, or None when it is not installed here.
+pub fn extension() -> Option<Extension> {
     read(|c| {
-        c.select(
-            "SELECT pg_catalog.quote_ident(n.nspname) \
-               FROM pg_catalog.pg_extension AS e \
-               JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) e.extnamespace \
-              WHERE e.extname OPERATOR(pg_catalog.=) 'stage_e_slots'::pg_catalog.name",
-            Some(1),
-            &[],
-        )?
-        .first()
-        .get_one::<String>()
+        let row = c
+            .select(
+                "SELECT pg_catalog.quote_ident(n.nspname), e.extversion::pg_catalog.text \
+                   FROM pg_catalog.pg_extension AS e \
+                   JOIN pg_catalog.pg_namespace AS n \
+                     ON n.oid OPERATOR(pg_catalog.=) e.extnamespace \
+                  WHERE e.extname OPERATOR(pg_catalog.=) 'stage_e_slots'::pg_catalog.name",
+                Some(1),
+                &[],
+            )?
+            .first();
+        Ok(match (row.get::<String>(1)?, row.get::<String>(2)?) {
+            (Some(schema), Some(version)) => Some(Extension { schema, version }),
+            _ => None,
+        })
     })
     .ok()
     .flatten()

@@ -47,10 +47,13 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     );
     let mut last_round = Instant::now();
     let mut first = true;
+    shmem::launcher_wakeup(true);
     loop {
         let due = last_round + gucs::flush_interval();
         let now = Instant::now();
-        if !first && now < due {
+        // A backend that found the caps crowded asks for a round now (shmem::request_flush).
+        let asked = shmem::launcher_wakeup(false);
+        if !first && !asked && now < due {
             if !BackgroundWorker::wait_latch(Some(due - now)) {
                 break;
             }
@@ -70,24 +73,17 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
 /// One flusher per database with pending counts, one after another.
 fn flush_round() {
     reclaim_dropped();
-    for pool in shmem::pools() {
-        if pool.flusher().is_some() || pool.flush_state().pending(None).is_zero() {
-            continue;
-        }
-        match pool.database() {
-            0 => {} // reclaimed meanwhile
-            db => run_flusher(db),
-        }
+    for db in shmem::databases_with_pending() {
+        run_flusher(db);
     }
 }
 
-/// Frees the entries of dropped databases (see `shmem::reclaim`), so that `max_databases`
-/// counts databases that exist.
+/// Frees the caps of dropped databases (their pending counts have nowhere to go; see
+/// `shmem::reclaim_database`).
 fn reclaim_dropped() {
-    for pool in shmem::pools() {
-        let db = pool.database();
-        if db != 0 && !BackgroundWorker::transaction(|| session::database_exists(db)) {
-            shmem::reclaim(db);
+    for db in shmem::databases() {
+        if !BackgroundWorker::transaction(|| session::database_exists(db)) {
+            shmem::reclaim_database(db);
         }
     }
 }
@@ -120,8 +116,8 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
     BackgroundWorker::transaction(|| {
         sql::set_local(c"lock_timeout", FLUSH_LOCK_TIMEOUT);
-        match flush::flush(Write::Add, false) {
-            Ok(Some(_)) | Err(flush::FlushError::Busy) => {}
+        match flush::flush(Write::Add, None, false) {
+            Ok(Some(_)) => {}
             Ok(None) => drop_orphaned(db),
             Err(e) => error!(
                 "stage_e_slots: flush of database {} failed: {e:?}",
@@ -134,12 +130,12 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
 /// The extension is no longer installed here: its table is gone with it, so the counts have
 /// nowhere to go.
 fn drop_orphaned(db: pg_sys::Oid) {
-    if let Ok(Some(pool)) = crate::slots::pool_of_this_database() {
-        if flush::discard_pending(pool) {
-            log!(
-                "stage_e_slots: dropped pending counters of database {}, which no longer has the extension",
-                db.to_u32()
-            );
-        }
+    let caps = flush::discard_pending();
+    if caps > 0 {
+        log!(
+            "stage_e_slots: dropped pending counters of {caps} cap(s) of database {}, which no \
+             longer has the extension",
+            db.to_u32()
+        );
     }
 }

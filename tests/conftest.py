@@ -21,7 +21,7 @@ collect_ignore = [] if _MAJOR == "18" else ["test_cross_major.py"]
 @pytest.fixture(scope="session")
 def cluster():
     # Each test gets its own database, hence its own pool: raise the per-database limit.
-    c = Cluster("tests", {"stage_e_slots.max_databases": 128}).init().start()
+    c = Cluster("tests").init().start()
     yield c
     c.destroy()
 
@@ -55,9 +55,14 @@ def one(conn, query, params=None):
     return row[0] if row else None
 
 
-def stats(conn):
-    cur = conn.execute("SELECT * FROM stage_e_stats()")
-    return dict(zip([d.name for d in cur.description], cur.fetchone()))
+def stats(conn, cap="default"):
+    """The cap's row of stage_e_stats() (zeros while the cap is not in use)."""
+    cur = conn.execute("SELECT * FROM stage_e_stats() WHERE cap = %s", (cap,))
+    names = [d.name for d in cur.description]
+    row = cur.fetchone()
+    if row is None:
+        row = [cap, int(one(conn, "SHOW stage_e_slots.max_slots"))] + [0] * (len(names) - 2)
+    return dict(zip(names, row))
 
 
 def slot_lock_holders(conn, n=None):

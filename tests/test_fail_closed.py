@@ -88,7 +88,7 @@ def test_custom_key_and_bounds_are_honoured():
     c = Cluster("custom", {
         "stage_e_slots.lock_key": 77,
         "stage_e_slots.max_slots": 16,
-        "stage_e_slots.max_databases": 1,
+        "stage_e_slots.max_caps": 16,
     }).init().start()
     try:
         c.sql("CREATE EXTENSION stage_e_slots")
@@ -103,13 +103,16 @@ def test_custom_key_and_bounds_are_honoured():
                 s.execute("SELECT stage_e_try_slot(17)")
             assert "(16)" in err.value.diag.message_detail
             assert one(s, "SELECT max_slots FROM stage_e_stats()") == 16
-        # max_databases = 1: a second database is refused, not given an uncapped slot.
-        c.create_database("second")
-        with c.connect("second") as s2:
+            assert one(s, "SELECT stage_e_cap_key('default')") == 77
+            # Caps in use fill max_caps (16; each holds a slot): the 17th is refused, never
+            # given an uncapped slot.
+            for i in range(15):
+                assert one(s, "SELECT stage_e_try_slot(%s, 1)", (f"cap-{i}",)) == 0
             with pytest.raises(errors.ConfigurationLimitExceeded) as err:
-                s2.execute("SELECT stage_e_try_slot(1)")
-            assert "stage_e_slots.max_databases" in err.value.diag.message_hint
-            assert one(s2, "SELECT held FROM stage_e_stats()") == 0
+                s.execute("SELECT stage_e_try_slot('one too many', 1)")
+            assert "stage_e_slots.max_caps" in err.value.diag.message_hint
+            assert "16 caps" in err.value.diag.message_detail
+            assert one(raw, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 16
     finally:
         c.destroy()
 
@@ -148,15 +151,17 @@ def test_hot_standby_refuses_slots_and_reports_what_is_true_there():
             # pending here.
             snap = one(s, "SELECT stage_e_snapshot()")
             assert snap["config"]["max_slots"] == 1024 and snap["held"] == 0
-            assert (snap["flushed"]["throttled"], snap["flushed"]["acquired"]) == (1, 1)
-            assert snap["pending"] == dict.fromkeys(snap["pending"], 0)
+            cap = snap["caps"][0]
+            assert (cap["cap"], cap["flushed"]["throttled"], cap["flushed"]["acquired"]) == (
+                "default", 1, 1)
+            assert cap["pending"] == dict.fromkeys(cap["pending"], 0)
             assert snap["holders"] == []
-            t = s.execute("SELECT throttled, acquired, pending_throttled "
-                          "FROM stage_e_throttle_totals").fetchone()
-            assert t == (1, 1, 0)
-            assert one(s, "SELECT held FROM stage_e_stats()") == 0
+            t = s.execute("SELECT cap, throttled, acquired, pending_throttled "
+                          "FROM stage_e_throttle_totals").fetchall()
+            assert t == [("default", 1, 1, 0)]
+            assert s.execute("SELECT * FROM stage_e_stats()").fetchall() == []
             assert s.execute("SELECT * FROM stage_e_slot_holders").fetchall() == []
-            assert one(s, "SELECT throttled FROM stage_e_pending()") == 0
+            assert s.execute("SELECT * FROM stage_e_pending()").fetchall() == []
             # The flush launcher waits for promotion instead of writing or crash-looping.
             launcher = ("SELECT count(*) FROM pg_stat_activity "
                         "WHERE backend_type = 'stage_e_slots launcher'")
@@ -187,7 +192,8 @@ SETTINGS = {
     # name: (min, max, unit, context)
     "stage_e_slots.max_slots": ("1", "65536", None, "postmaster"),
     "stage_e_slots.lock_key": ("0", "2147483647", None, "postmaster"),
-    "stage_e_slots.max_databases": ("1", "1024", None, "postmaster"),
+    "stage_e_slots.max_caps": ("16", "1048576", None, "postmaster"),
+    "stage_e_slots.slot_memory": ("64", "1048576", "kB", "postmaster"),
     "stage_e_slots.flush_interval": ("100", "3600000", "ms", "sighup"),
 }
 

@@ -19,8 +19,7 @@ COLS = ["acquired", "throttled", "released", "foreign_releases", "released_by_ex
 @pytest.fixture(scope="module")
 def fc():
     """A cluster flushing every 200 ms."""
-    c = Cluster("flush", {"stage_e_slots.flush_interval": f"'{INTERVAL_MS}ms'",
-                          "stage_e_slots.max_databases": 64}).init().start()
+    c = Cluster("flush", {"stage_e_slots.flush_interval": f"'{INTERVAL_MS}ms'"}).init().start()
     yield c
     c.destroy()
 
@@ -28,15 +27,14 @@ def fc():
 @pytest.fixture(scope="module")
 def manual():
     """A cluster whose launcher waits an hour between rounds: only explicit flushes write."""
-    c = Cluster("flush_manual", {"stage_e_slots.flush_interval": "'1h'",
-                                 "stage_e_slots.max_databases": 64}).init().start()
+    c = Cluster("flush_manual", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
     yield c
     c.destroy()
 
 
-def row(conn):
-    """The counter row, or None before the first flush; never more than one."""
-    cur = conn.execute("SELECT * FROM stage_e_throttle_counter")
+def row(conn, cap="default"):
+    """The cap's counter row, or None before its first flush."""
+    cur = conn.execute("SELECT * FROM stage_e_throttle_counter WHERE cap = %s", (cap,))
     rows = cur.fetchall()
     assert len(rows) <= 1, rows
     return dict(zip([d.name for d in cur.description], rows[0])) if rows else None
@@ -47,9 +45,11 @@ def flushed(conn, col="throttled"):
     return r[col] if r else 0
 
 
-def totals(conn):
-    cur = conn.execute("SELECT * FROM stage_e_throttle_totals")
-    return dict(zip([d.name for d in cur.description], cur.fetchone()))
+def totals(conn, cap="default"):
+    cur = conn.execute("SELECT * FROM stage_e_throttle_totals WHERE cap = %s", (cap,))
+    names = [d.name for d in cur.description]
+    r = cur.fetchone()
+    return dict(zip(names, r)) if r else dict.fromkeys(names, 0) | {"cap": cap, "flushed_at": None}
 
 
 def throttle(conn, times):
@@ -132,11 +132,12 @@ def test_flush_returns_exactly_what_it_added_and_reset_zeroes(manual):
     holder = held_cap(manual, db)
     with manual.connect(db) as c:
         throttle(c, 3)
-        assert c.execute("SELECT * FROM stage_e_flush()").fetchone() == (1, 3, 0, 0, 0)
+        assert c.execute("SELECT * FROM stage_e_flush()").fetchall() == [("default", 1, 3, 0, 0, 0)]
         throttle(c, 4)
-        assert c.execute("SELECT * FROM stage_e_flush()").fetchone() == (0, 4, 0, 0, 0)
+        assert c.execute("SELECT * FROM stage_e_flush()").fetchall() == [("default", 0, 4, 0, 0, 0)]
         assert flushed(c) == 7 and flushed(c, "acquired") == 1 and totals(c)["throttled"] == 7
-        assert c.execute("SELECT * FROM stage_e_flush()").fetchone() == (0, 0, 0, 0, 0)
+        # Nothing new: no row is written.
+        assert c.execute("SELECT * FROM stage_e_flush()").fetchall() == []
         assert flushed(c) == 7
         throttle(c, 5)
         since = len(manual.log_text())
@@ -231,8 +232,8 @@ def test_a_database_whose_extension_was_dropped_gets_nothing_written(fc):
             throttle(c, 3)
             c.execute("DROP EXTENSION stage_e_slots")
         holder.close()
-        wait_for(lambda: "dropped pending counters of database" in new_log(fc, since)
-                 and "which no longer has the extension" in new_log(fc, since),
+        wait_for(lambda: re.search(r"dropped pending counters of 1 cap\(s\) of database \d+, "
+                                   r"which no longer has the extension", new_log(fc, since)),
                  timeout=5, what="the flusher to drop the orphaned counts")
         assert one(c, "SELECT count(*) FROM pg_class WHERE relname LIKE 'stage_e%'") == 0
         # Re-created, it starts from zero: the orphaned counts did not come back.
@@ -255,7 +256,7 @@ def test_only_superusers_and_the_owner_write_flush_or_reset(manual):
         assert flushed(c) == 2 and flushed(c, "acquired") == 2
         assert one(c, "SELECT held FROM stage_e_stats()") == 2
         snap = one(c, "SELECT stage_e_snapshot()")
-        assert snap["flushed"]["throttled"] == 2 and snap["held"] == 2
+        assert snap["caps"][0]["flushed"]["throttled"] == 2 and snap["held"] == 2
         for sql in ["UPDATE stage_e_throttle_counter SET throttled = 0",
                     "DELETE FROM stage_e_throttle_counter",
                     "INSERT INTO stage_e_throttle_counter DEFAULT VALUES",
@@ -300,21 +301,28 @@ def test_snapshot_is_a_monitoring_document(manual):
         throttle(c, 5)
         c.execute("SELECT stage_e_flush()")
         throttle(c, 2)
+        assert one(c, "SELECT stage_e_try_slot('exports', 3)") == 0  # a second cap, unflushed
         snap = one(c, "SELECT stage_e_snapshot()")
         assert snap["database"] == db
-        assert snap["config"] == {"max_slots": 1024, "lock_key": 20260725,
-                                  "max_databases": 64, "flush_interval_ms": 3_600_000}
-        assert snap["totals"] == {"acquired": 1, "throttled": 7, "released": 0,
-                                  "foreign_releases": 0, "released_by_exit": 0}
-        assert snap["flushed"]["throttled"] == 5 and snap["pending"]["throttled"] == 2
-        assert snap["flushed_at"] == one(c, "SELECT flushed_at::text FROM "
-                                            "stage_e_throttle_counter")
-        assert snap["held"] == 1
+        assert snap["config"] == {"max_slots": 1024, "lock_key": 20260725, "max_caps": 4096,
+                                  "slot_memory_kb": 2048, "flush_interval_ms": 3_600_000}
+        assert [cap["cap"] for cap in snap["caps"]] == ["default", "exports"]
+        d, e = snap["caps"]
+        assert d["totals"] == {"acquired": 1, "throttled": 7, "released": 0,
+                               "foreign_releases": 0, "released_by_exit": 0}
+        assert d["flushed"]["throttled"] == 5 and d["pending"]["throttled"] == 2
+        assert d["flushed_at"] == one(c, "SELECT flushed_at::text FROM stage_e_throttle_counter")
+        assert (d["key"], d["held"]) == (20260725, 1)
+        assert (e["key"], e["held"], e["flushed_at"]) == (
+            one(c, "SELECT stage_e_cap_key('exports')"), 1, None)
+        assert e["totals"]["acquired"] == 1 and e["flushed"]["acquired"] == 0
+        assert snap["held"] == 2
         h = snap["holders"][0]
-        assert (h["slot"], h["pid"], h["application_name"], h["state"]) == (
-            0, holder.info.backend_pid, "holder", "idle")
-        assert set(snap) == {"database", "config", "totals", "flushed", "flushed_at", "pending",
-                             "held", "holders"}
+        assert (h["cap"], h["slot"], h["pid"], h["application_name"], h["state"]) == (
+            "default", 0, holder.info.backend_pid, "holder", "idle")
+        assert snap["holders"][1]["cap"] == "exports"
+        assert snap["memory"]["caps_in_use"] >= 2 and snap["memory"]["max_caps"] == 4096
+        assert set(snap) == {"database", "config", "memory", "held", "caps", "holders"}
     holder.close()
 
 
@@ -338,7 +346,7 @@ def test_clean_restart_loses_nothing(mode):
             before = totals(s)
         assert before["throttled"] == 1234 and before["pending_throttled"] == 1234
         c.stop(mode)
-        assert "saved pending counters of 1 database(s)" in c.log_text()
+        assert "saved pending counters of 1 cap(s)" in c.log_text()
         c.start()
         with c.connect("app") as s:
             after = totals(s)

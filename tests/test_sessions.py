@@ -69,7 +69,7 @@ def test_release_of_a_free_slot_says_nobody_holds_it(connect):
     assert "slot 5 was not held by this connection" in notices[0]["message"]
     assert "No session holds slot 5" in notices[0]["detail"]
     # A database that never took a slot has no entry, and a release does not take one, so
-    # there is nowhere to count it (max_databases counts databases that use the cap).
+    # there is nowhere to count it (max_caps counts caps in use).
     assert stats(c)["foreign_releases"] == 0
     assert one(c, "SELECT stage_e_try_slot(1)") == 0
     assert one(c, "SELECT stage_e_release(0)") is True
@@ -164,7 +164,8 @@ def test_locks_freed_behind_our_back_never_leave_a_slot_stuck(cluster, connect, 
     after = stats(other)
     assert after["released"] - before["released"] == 1
     assert after["foreign_releases"] == before["foreign_releases"]
-    line = (f"slot 0 of pid {holder.info.backend_pid} was released outside stage_e_release "
+    line = (f"slot 0 of cap \"default\" of pid {holder.info.backend_pid} was released outside "
+            "stage_e_release "
             "(DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again")
     wait_for(lambda: line in cluster.log_text()[since:], timeout=5, what="the LOG line")
     assert cluster.log_text()[since:].count(line) == 1
@@ -248,7 +249,7 @@ def test_holders_view_joins_the_session(connect):
         "FROM stage_e_slot_holders AS h JOIN pg_stat_activity AS a USING (pid)").fetchone()
     assert row == (slot, c.info.backend_pid, True, True, True, "billing-worker-7", None, "idle")
     cols = [d.name for d in observer.execute("SELECT * FROM stage_e_slot_holders").description]
-    assert cols == ["slot", "pid", "acquired_at", "held_for", "application_name", "client_addr",
+    assert cols == ["cap", "slot", "pid", "acquired_at", "held_for", "application_name", "client_addr",
                     "state"]
 
 

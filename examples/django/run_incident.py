@@ -31,8 +31,9 @@ def manage(env, *args, **kw):
 
 def counters(conn):
     cur = conn.execute("SELECT throttled, released_by_exit, foreign_releases, acquired, released "
-                       "FROM stage_e_throttle_totals")
-    return dict(zip([d.name for d in cur.description], cur.fetchone()))
+                       "FROM stage_e_throttle_totals WHERE cap = 'default'")
+    row = cur.fetchone()
+    return dict(zip([d.name for d in cur.description], row or [0] * len(cur.description)))
 
 
 def settled(conn, before):

@@ -1,0 +1,20 @@
+-- The durable counters: one row per cap of this database, inserted by the cap's first flush
+-- and added to once per flush interval (one statement per database, whatever the rate).
+-- Every statement of the extension names this table with its schema (see src/sql.rs).
+CREATE TABLE stage_e_throttle_counter (
+    cap              text PRIMARY KEY
+                     CHECK (pg_catalog.octet_length(cap) OPERATOR(pg_catalog.<=) 63),
+    acquired         bigint NOT NULL DEFAULT 0,
+    throttled        bigint NOT NULL DEFAULT 0,
+    released         bigint NOT NULL DEFAULT 0,
+    foreign_releases bigint NOT NULL DEFAULT 0,
+    released_by_exit bigint NOT NULL DEFAULT 0,
+    flushed_at       timestamptz,
+    flush_id         bigint NOT NULL DEFAULT 0
+);
+COMMENT ON TABLE stage_e_throttle_counter IS
+  'Durable stage_e_slots counters of this database: one row per cap, written by its first flush and added to once per flush interval. Rows of caps no longer used may be deleted.';
+-- No row is inserted here: pg_dump keeps the table's data, and a restore (which runs
+-- CREATE EXTENSION first) must find the table empty.
+SELECT pg_catalog.pg_extension_config_dump('stage_e_throttle_counter', '');
+GRANT SELECT ON stage_e_throttle_counter TO PUBLIC;

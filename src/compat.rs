@@ -1,0 +1,143 @@
+//! The 0.1.0 functions whose result changed shape in 0.2.0. A database created at 0.1.0 keeps
+//! calling them by their C symbols until it runs `ALTER EXTENSION stage_e_slots UPDATE`, so
+//! they stay in the library, answering as 0.1.0 did: for the cap `default` only. They are not
+//! part of a fresh install (`sql = false`); the 0.1.0 functions whose shape did not change
+//! (try, release, release_all, holding, reset) share their symbols with 0.2.0 (`api`).
+
+use crate::counters::CounterValues;
+use crate::directory::DEFAULT_CAP;
+use crate::errors::{raise, raise_flush, raise_internal};
+use crate::flush::{self, Write};
+use crate::gucs;
+use crate::slots;
+use pgrx::datetime::TimestampWithTimeZone;
+use pgrx::prelude::*;
+use serde_json::json;
+
+type Row5 = (i64, i64, i64, i64, i64);
+
+fn five(v: CounterValues) -> Row5 {
+    let a = v.to_array().map(|x| x as i64);
+    (a[0], a[1], a[2], a[3], a[4])
+}
+
+fn default_of(rows: Vec<(String, CounterValues)>) -> CounterValues {
+    rows.into_iter()
+        .find(|(c, _)| c == DEFAULT_CAP)
+        .map(|(_, v)| v)
+        .unwrap_or_default()
+}
+
+#[pg_extern(sql = false)]
+fn stage_e_stats() -> TableIterator<
+    'static,
+    (
+        name!(max_slots, i32),
+        name!(held, i32),
+        name!(acquired, i64),
+        name!(throttled, i64),
+        name!(released, i64),
+        name!(foreign_releases, i64),
+        name!(released_by_exit, i64),
+    ),
+> {
+    let stats = slots::stats().unwrap_or_else(|e| raise(e));
+    let s = stats.iter().find(|s| s.cap == DEFAULT_CAP);
+    let held = slots::holders()
+        .unwrap_or_else(|e| raise(e))
+        .iter()
+        .filter(|h| h.cap == DEFAULT_CAP)
+        .count() as i32;
+    let (a, t, r, f, x) = five(s.map(|s| s.counts).unwrap_or_default());
+    TableIterator::once((gucs::max_slots() as i32, held, a, t, r, f, x))
+}
+
+#[pg_extern(sql = false)]
+fn stage_e_slot_holders_internal() -> TableIterator<
+    'static,
+    (
+        name!(slot, i32),
+        name!(pid, i32),
+        name!(acquired_at, Option<TimestampWithTimeZone>),
+    ),
+> {
+    let rows = slots::holders().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().filter(|h| h.cap == DEFAULT_CAP).map(|h| {
+        let at = h
+            .acquired_at
+            .and_then(|t| TimestampWithTimeZone::try_from(t).ok());
+        (h.slot as i32, h.pid, at)
+    }))
+}
+
+#[pg_extern(sql = false)]
+fn stage_e_flush() -> TableIterator<
+    'static,
+    (
+        name!(acquired, i64),
+        name!(throttled, i64),
+        name!(released, i64),
+        name!(foreign_releases, i64),
+        name!(released_by_exit, i64),
+    ),
+> {
+    slots::ready().unwrap_or_else(|e| raise(e));
+    let added = flush::flush(Write::Add, Some(DEFAULT_CAP), true)
+        .unwrap_or_else(|e| raise_flush(e))
+        .unwrap_or_default();
+    TableIterator::once(five(default_of(added)))
+}
+
+#[pg_extern(sql = false)]
+fn stage_e_pending(
+    row_flush_id: default!(Option<i64>, "NULL"),
+) -> TableIterator<
+    'static,
+    (
+        name!(acquired, i64),
+        name!(throttled, i64),
+        name!(released, i64),
+        name!(foreign_releases, i64),
+        name!(released_by_exit, i64),
+    ),
+> {
+    slots::attached().unwrap_or_else(|e| raise(e));
+    TableIterator::once(five(default_of(flush::pending(row_flush_id))))
+}
+
+/// 0.1.0's document: the `default` cap's counts at the top level.
+#[pg_extern(sql = false)]
+fn stage_e_snapshot() -> pgrx::JsonB {
+    let doc = crate::api::snapshot_document();
+    let cap = doc["caps"]
+        .as_array()
+        .and_then(|caps| caps.iter().find(|c| c["cap"] == DEFAULT_CAP).cloned())
+        .unwrap_or_else(|| {
+            let zero = serde_json::to_value(CounterValues::default()).unwrap_or_default();
+            json!({"totals": zero, "flushed": zero, "pending": zero, "flushed_at": null})
+        });
+    let holders: Vec<serde_json::Value> = doc["holders"]
+        .as_array()
+        .map(|h| {
+            h.iter()
+                .filter(|h| h["cap"] == DEFAULT_CAP)
+                .map(|h| {
+                    json!({"slot": h["slot"], "pid": h["pid"], "acquired_at": h["acquired_at"],
+                           "application_name": h["application_name"], "state": h["state"]})
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let config = &doc["config"];
+    let out = json!({
+        "database": doc["database"],
+        "config": {"max_slots": config["max_slots"], "lock_key": config["lock_key"],
+                   "flush_interval_ms": config["flush_interval_ms"]},
+        "totals": cap["totals"], "flushed": cap["flushed"], "flushed_at": cap["flushed_at"],
+        "pending": cap["pending"], "held": holders.len(), "holders": holders,
+    });
+    if out.is_null() {
+        raise_internal("could not build the snapshot".into());
+    }
+    pgrx::JsonB(out)
+}

@@ -1,0 +1,202 @@
+//! How failures reach the client: each ERROR says what happened (message), what was expected
+//! (detail) and how to fix it (hint), with a SQLSTATE a program can act on: class 22 for bad
+//! input, 53 for a full configuration limit, 55 for a missing prerequisite.
+
+use crate::directory::{NameError, MAX_NAME};
+use crate::flush::FlushError;
+use crate::gucs;
+use crate::shmem::CapError;
+use crate::slots::SlotError;
+use pgrx::pg_sys::panic::ErrorReport;
+use pgrx::{PgLogLevel, PgSqlErrorCode};
+
+const HINT_PRELOAD: &str = "Add stage_e_slots to shared_preload_libraries in postgresql.conf \
+     (shared_preload_libraries = 'stage_e_slots') and restart the server.";
+pub const HINT_SAME_CONNECTION: &str = "A slot is a session-level lock: it belongs to the \
+     connection that took it and is gone when that connection closes. Acquire and release on \
+     one dedicated connection, and check stage_e_holding(slot) before committing work.";
+
+fn report(code: PgSqlErrorCode, message: String, detail: String, hint: Option<String>) -> ! {
+    let mut e = ErrorReport::new(code, message, "stage_e_slots").set_detail(detail);
+    if let Some(hint) = hint {
+        e = e.set_hint(hint);
+    }
+    e.report(PgLogLevel::ERROR);
+    unreachable!("ereport(ERROR) does not return")
+}
+
+/// Raises `e` as an ERROR.
+pub fn raise(e: SlotError) -> ! {
+    use PgSqlErrorCode::*;
+    let max_slots = gucs::max_slots();
+    match e {
+        SlotError::NotPreloaded => report(
+            ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            "stage_e_slots must be loaded via shared_preload_libraries".into(),
+            "Without its shared memory the cap cannot be enforced, so no slot is handed out."
+                .into(),
+            Some(HINT_PRELOAD.into()),
+        ),
+        SlotError::Standby => report(
+            ERRCODE_READ_ONLY_SQL_TRANSACTION,
+            "stage_e_slots cannot be used on a standby".into(),
+            "Advisory locks on a standby do not coordinate with the primary, so a cap here would \
+             not bind."
+                .into(),
+            Some("Take and release slots on the primary.".into()),
+        ),
+        SlotError::ParallelMode => report(
+            ERRCODE_INVALID_TRANSACTION_STATE,
+            "stage_e_slots cannot be used during a parallel operation".into(),
+            "A slot is a session lock: one taken in a parallel worker would end with the worker, \
+             and the leader would not hold it."
+                .into(),
+            Some(
+                "Call the stage_e_slots functions outside parallel queries: do not wrap them in \
+                 functions marked PARALLEL SAFE or RESTRICTED."
+                    .into(),
+            ),
+        ),
+        SlotError::NullArgument { name } => report(
+            ERRCODE_NULL_VALUE_NOT_ALLOWED,
+            format!("{name} must not be NULL"),
+            match name {
+                "n" => format!("n must be between 1 and stage_e_slots.max_slots ({max_slots})."),
+                "cap" => format!("A cap name is 1 to {MAX_NAME} bytes."),
+                _ => format!("Slots are numbered 0 to {}.", max_slots - 1),
+            },
+            Some(match name {
+                "cap" => "Pass a cap name, such as 'exports' or 'tenant:42'.".into(),
+                _ => "Pass an integer.".into(),
+            }),
+        ),
+        SlotError::CapOutOfRange { n, max_slots } => report(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("cap n = {n} is out of range"),
+            format!("n must be between 1 and stage_e_slots.max_slots ({max_slots})."),
+            Some(
+                "For a larger cap, raise stage_e_slots.max_slots in postgresql.conf and restart."
+                    .into(),
+            ),
+        ),
+        SlotError::SlotOutOfRange { slot, max_slots } => report(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("slot {slot} is out of range"),
+            format!(
+                "Slots are numbered 0 to {} (stage_e_slots.max_slots - 1).",
+                max_slots - 1
+            ),
+            Some("Pass a slot number returned by stage_e_try_slot.".into()),
+        ),
+        SlotError::BadCapName(e) => report(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            match e {
+                NameError::Empty => "cap name must not be empty".into(),
+                NameError::TooLong { len } => format!("cap name is too long ({len} bytes)"),
+            },
+            format!("A cap name is 1 to {MAX_NAME} bytes."),
+            Some("Use a shorter name; a hash of a long key works (md5(key) is 32 bytes).".into()),
+        ),
+        SlotError::Cap { cap, error } => raise_cap(&cap, error),
+    }
+}
+
+fn raise_cap(cap: &str, e: CapError) -> ! {
+    use PgSqlErrorCode::*;
+    match e {
+        CapError::NoEntry { max_caps, held } => report(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            format!("stage_e_slots has no room for cap \"{cap}\""),
+            format!(
+                "All {max_caps} caps (stage_e_slots.max_caps) are in use: {held} hold slots or \
+                 have counts not yet flushed, the others are being reclaimed."
+            ),
+            Some(
+                "Raise stage_e_slots.max_caps in postgresql.conf and restart, or lower \
+                 stage_e_slots.flush_interval so idle caps are reclaimed sooner."
+                    .into(),
+            ),
+        ),
+        CapError::NoMemory { slots } => report(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            format!("stage_e_slots has no room for {slots} slots of cap \"{cap}\""),
+            "The slot memory (stage_e_slots.slot_memory) is taken by caps in use.".into(),
+            Some("Raise stage_e_slots.slot_memory in postgresql.conf and restart.".into()),
+        ),
+        CapError::KeyCollision { other, key } => report(
+            ERRCODE_DUPLICATE_OBJECT,
+            format!("cap \"{cap}\" has the same lock key ({key}) as cap \"{other}\""),
+            format!(
+                "Both caps' slots would be the advisory locks ({key}, s) of this database, so \
+                 they would share slots. Cap \"{other}\" is in use."
+            ),
+            Some(format!(
+                "Rename one of the caps (stage_e_cap_key(name) shows a name's key), or, if \
+                 \"{other}\" is default, change stage_e_slots.lock_key."
+            )),
+        ),
+        CapError::Busy => report(
+            ERRCODE_OBJECT_IN_USE,
+            format!("cap \"{cap}\" could not be resized: it stayed in use"),
+            "Using a cap with a larger n than before moves its slots to a larger block, which \
+             waits for the calls in progress on that cap."
+                .into(),
+            Some("Try again.".into()),
+        ),
+    }
+}
+
+pub fn raise_flush(e: FlushError) -> ! {
+    match e {
+        FlushError::Slots(e) => raise(e),
+        FlushError::Spi(e) => report(
+            PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+            format!("stage_e_slots could not write the counter rows: {e}"),
+            "The counts stay pending and are written by the next flush.".into(),
+            None,
+        ),
+        FlushError::AgainInThisTransaction => report(
+            PgSqlErrorCode::ERRCODE_OBJECT_IN_USE,
+            "stage_e_slots counters were already flushed in this transaction".into(),
+            "The rows are settled when this transaction commits or aborts.".into(),
+            Some("Call stage_e_flush() or stage_e_reset_stats() once per transaction.".into()),
+        ),
+    }
+}
+
+pub fn raise_not_installed() -> ! {
+    report(
+        PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
+        "extension \"stage_e_slots\" is not installed in this database".into(),
+        "The counters are kept in the extension's table.".into(),
+        Some("CREATE EXTENSION stage_e_slots;".into()),
+    )
+}
+
+pub fn raise_internal(message: String) -> ! {
+    report(
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        message,
+        "This is a bug in stage_e_slots; nothing was changed.".into(),
+        None,
+    )
+}
+
+/// The WARNING of a release by a session that does not hold the slot.
+pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>) {
+    let detail = match holder {
+        Some(pid) => {
+            format!("Slot {slot} of cap \"{cap}\" is held by pid {pid}; it keeps the slot.")
+        }
+        None => format!("No session holds slot {slot} of cap \"{cap}\"."),
+    };
+    let message = if cap == crate::directory::DEFAULT_CAP {
+        format!("slot {slot} was not held by this connection")
+    } else {
+        format!("slot {slot} of cap \"{cap}\" was not held by this connection")
+    };
+    ErrorReport::new(PgSqlErrorCode::ERRCODE_WARNING, message, "stage_e_slots")
+        .set_detail(detail)
+        .set_hint(HINT_SAME_CONNECTION)
+        .report(PgLogLevel::WARNING);
+}

@@ -1,0 +1,168 @@
+"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, with data and holders, against the 0.2.0
+library; and the updated schema against a fresh install's."""
+
+import pytest
+
+from conftest import KEY, one, slot_lock_holders
+from pgcluster import Cluster, wait_for
+
+# Every object of the extension, described without OIDs: functions (arguments, result,
+# volatility, parallel safety, strictness, C symbol, privileges, comment), tables and views
+# (columns, defaults, constraints, indexes, definition, privileges, comment) and the tables
+# pg_dump keeps the data of.
+DESCRIBE = r"""
+WITH ext AS (SELECT oid, extconfig, extcondition FROM pg_extension
+              WHERE extname = 'stage_e_slots'),
+members AS (SELECT d.classid, d.objid FROM pg_depend d, ext
+             WHERE d.refclassid = 'pg_extension'::regclass AND d.refobjid = ext.oid
+               AND d.deptype = 'e')
+SELECT 'function ' || p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ') '
+       || pg_get_function_arguments(p.oid) || ' -> ' || pg_get_function_result(p.oid)
+       || ' ' || p.provolatile::text || p.proparallel::text || p.proisstrict::text
+       || ' ' || p.prosrc || ' acl=' || coalesce(p.proacl::text, '-')
+       || ' comment=' || coalesce(obj_description(p.oid, 'pg_proc'), '-')
+  FROM members m JOIN pg_proc p ON m.classid = 'pg_proc'::regclass AND p.oid = m.objid
+UNION ALL
+SELECT c.relkind::text || ' ' || c.relname || ' acl=' || coalesce(c.relacl::text, '-')
+       || ' comment=' || coalesce(obj_description(c.oid, 'pg_class'), '-')
+       || ' def=' || coalesce(pg_get_viewdef(c.oid), '-')
+  FROM members m JOIN pg_class c ON m.classid = 'pg_class'::regclass AND c.oid = m.objid
+UNION ALL
+SELECT 'column ' || c.relname || '.' || a.attnum || ' ' || a.attname || ' '
+       || format_type(a.atttypid, a.atttypmod) || ' notnull=' || a.attnotnull
+       || ' default=' || coalesce(pg_get_expr(ad.adbin, ad.adrelid), '-')
+       || ' dropped=' || a.attisdropped
+  FROM members m JOIN pg_class c ON m.classid = 'pg_class'::regclass AND c.oid = m.objid
+  JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0
+  LEFT JOIN pg_attrdef ad ON ad.adrelid = c.oid AND ad.adnum = a.attnum
+UNION ALL
+SELECT 'constraint ' || c.relname || ' ' || k.conname || ' ' || pg_get_constraintdef(k.oid)
+  FROM members m JOIN pg_class c ON m.classid = 'pg_class'::regclass AND c.oid = m.objid
+  JOIN pg_constraint k ON k.conrelid = c.oid
+UNION ALL
+SELECT 'index ' || pg_get_indexdef(i.indexrelid)
+  FROM members m JOIN pg_index i ON m.classid = 'pg_class'::regclass AND i.indrelid = m.objid
+UNION ALL
+SELECT 'dumped data ' || cfg::regclass::text || ' where ' || coalesce(cond, '-')
+  FROM ext, unnest(ext.extconfig, ext.extcondition) AS u(cfg, cond)
+UNION ALL
+SELECT 'member of another kind ' || m.classid::regclass::text
+  FROM members m WHERE m.classid NOT IN ('pg_proc'::regclass, 'pg_class'::regclass,
+                                         'pg_type'::regclass)
+ORDER BY 1
+"""
+
+
+@pytest.fixture(scope="module")
+def uc():
+    c = Cluster("upgrade", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
+    yield c
+    c.destroy()
+
+
+def describe(c, db):
+    return [r[0] for r in c.sql(DESCRIBE, dbname=db)]
+
+
+def test_a_0_1_0_database_is_served_then_updated_with_its_counts_and_holders(uc):
+    uc.create_database("old", extension=False)
+    uc.sql("CREATE EXTENSION stage_e_slots VERSION '0.1.0'", dbname="old")
+    with uc.connect("old", "holder") as holder, uc.connect("old", "other") as other, \
+            uc.connect("old", "observer") as observer:
+        assert one(observer, "SELECT extversion FROM pg_extension "
+                             "WHERE extname = 'stage_e_slots'") == "0.1.0"
+        # The 0.2.0 library serves 0.1.0's SQL: slots, stats, views, flush, snapshot.
+        assert one(holder, "SELECT stage_e_try_slot(1)") == 0
+        assert one(other, "SELECT stage_e_try_slot(1)") is None
+        assert observer.execute("SELECT * FROM stage_e_stats()").fetchone() == (
+            1024, 1, 1, 1, 0, 0, 0)
+        assert observer.execute("SELECT slot, pid FROM stage_e_slot_holders").fetchall() == [
+            (0, holder.info.backend_pid)]
+        assert observer.execute("SELECT * FROM stage_e_flush()").fetchone() == (1, 1, 0, 0, 0)
+        assert observer.execute("SELECT id, acquired, throttled FROM stage_e_throttle_counter"
+                                ).fetchall() == [(True, 1, 1)]
+        assert one(other, "SELECT stage_e_try_slot(1)") is None  # pending at the update
+        assert one(other, "SELECT stage_e_release(0)") is False  # a foreign release, pending
+        assert observer.execute("SELECT throttled, pending_throttled, foreign_releases "
+                                "FROM stage_e_throttle_totals").fetchone() == (2, 1, 1)
+        snap = one(observer, "SELECT stage_e_snapshot()")
+        assert snap["totals"]["throttled"] == 2 and snap["holders"][0]["slot"] == 0
+
+        observer.execute("ALTER EXTENSION stage_e_slots UPDATE")
+        assert one(observer, "SELECT extversion FROM pg_extension "
+                             "WHERE extname = 'stage_e_slots'") == "0.2.0"
+        # The holder kept its slot: the same lock, seen by the lock manager and by itself.
+        assert slot_lock_holders(observer) == [(0, holder.info.backend_pid)]
+        assert one(holder, "SELECT stage_e_holding(0)") is True
+        assert one(holder, "SELECT stage_e_holding('default', 0)") is True
+        assert one(other, "SELECT stage_e_try_slot('default', 1)") is None
+        # The counts: the 0.1.0 row is the row of 'default'; pending counts were kept.
+        assert observer.execute("SELECT cap, acquired, throttled, foreign_releases "
+                                "FROM stage_e_throttle_counter").fetchall() == [
+            ("default", 1, 1, 0)]
+        assert observer.execute(
+            "SELECT cap, acquired, throttled, foreign_releases, pending_throttled "
+            "FROM stage_e_throttle_totals").fetchall() == [("default", 1, 3, 1, 2)]
+        # 0.2.0 behaviour: a named cap, beside default.
+        assert one(other, "SELECT stage_e_try_slot('exports', 2)") == 0
+        assert one(observer, "SELECT stage_e_cap_key('exports')") != KEY
+        rows = observer.execute("SELECT cap, held, acquired, throttled FROM stage_e_stats()"
+                                ).fetchall()
+        assert rows == [("default", 1, 1, 3), ("exports", 1, 1, 0)]
+        assert observer.execute("SELECT cap, slot, pid FROM stage_e_slot_holders").fetchall() == [
+            ("default", 0, holder.info.backend_pid), ("exports", 0, other.info.backend_pid)]
+        flushed = observer.execute("SELECT * FROM stage_e_flush() ORDER BY cap").fetchall()
+        assert flushed == [("default", 0, 2, 0, 1, 0), ("exports", 1, 0, 0, 0, 0)]
+        assert observer.execute("SELECT cap, acquired, throttled FROM stage_e_throttle_counter "
+                                "ORDER BY cap").fetchall() == [("default", 1, 3), ("exports", 1, 0)]
+        assert one(holder, "SELECT stage_e_release(0)") is True
+        assert one(other, "SELECT stage_e_release_all()") == 1
+    # The updated schema is exactly a fresh install's.
+    uc.create_database("fresh")
+    assert describe(uc, "old") == describe(uc, "fresh")
+
+
+def test_the_background_flusher_writes_a_0_1_0_database_until_it_is_updated():
+    c = Cluster("upgrade_flusher", {"stage_e_slots.flush_interval": "'200ms'"}).init().start()
+    try:
+        c.create_database("old", extension=False)
+        c.sql("CREATE EXTENSION stage_e_slots VERSION '0.1.0'", dbname="old")
+        with c.connect("old") as h, c.connect("old") as s:
+            assert one(h, "SELECT stage_e_try_slot(1)") == 0
+            assert one(s, "SELECT stage_e_try_slot(1)") is None
+            wait_for(lambda: s.execute("SELECT throttled FROM stage_e_throttle_counter"
+                                       ).fetchall() == [(1,)], timeout=5, what="a 0.1.0 flush")
+            s.execute("ALTER EXTENSION stage_e_slots UPDATE")
+            assert one(s, "SELECT stage_e_try_slot(1)") is None
+            assert one(s, "SELECT stage_e_try_slot('other', 1)") == 0
+            wait_for(lambda: s.execute("SELECT cap, throttled, acquired FROM "
+                                       "stage_e_throttle_counter ORDER BY cap").fetchall()
+                     == [("default", 2, 1), ("other", 0, 1)], timeout=5,
+                     what="0.2.0 flushes after the update")
+    finally:
+        c.destroy()
+
+
+def test_a_dump_of_an_updated_database_restores():
+    c = Cluster("upgrade_dump", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
+    try:
+        c.create_database("old", extension=False)
+        c.sql("CREATE EXTENSION stage_e_slots VERSION '0.1.0'", dbname="old")
+        with c.connect("old") as s:
+            assert one(s, "SELECT stage_e_try_slot(1)") == 0
+            s.execute("SELECT stage_e_flush()")
+            s.execute("ALTER EXTENSION stage_e_slots UPDATE")
+            assert one(s, "SELECT stage_e_try_slot('exports', 1)") == 0
+            s.execute("SELECT stage_e_flush()")
+            rows = s.execute("SELECT * FROM stage_e_throttle_counter ORDER BY cap").fetchall()
+        c.create_database("copy", extension=False)
+        out = c._run("bash", "-o", "pipefail", "-c",
+                     f"{c.bin}/pg_dump -h {c.base} -p {c.port} -U postgres old | "
+                     f"{c.bin}/psql -X -q -h {c.base} -p {c.port} -U postgres -1 "
+                     f"-v ON_ERROR_STOP=1 -d copy", check=False)
+        assert out.returncode == 0, out.stderr
+        with c.connect("copy") as s:
+            assert s.execute("SELECT * FROM stage_e_throttle_counter ORDER BY cap"
+                             ).fetchall() == rows
+    finally:
+        c.destroy()
