@@ -19,6 +19,7 @@ use crate::counters::CounterValues;
 use crate::directory::DEFAULT_CAP;
 use crate::session;
 use crate::shmem::{self, Cap};
+
 use crate::slots::SlotError;
 use crate::sql::{self, Extension};
 
@@ -63,25 +64,27 @@ pub fn flush(
     }
     let me = session::pid();
     let mut taken = Vec::new();
-    for cap in shmem::caps(Some(session::database().to_u32())) {
-        let name = cap.name();
-        if only.is_some_and(|o| o != name) || (ext.at_0_1_0() && name != DEFAULT_CAP) {
+    for r in shmem::cap_refs(session::database().to_u32()) {
+        // Pinned only while taking the role (a flush must not keep creators from reclaiming
+        // other caps); the role then keeps the cap from being reclaimed.
+        let Some((role, name)) = shmem::pin(r).and_then(|cap| {
+            let name = cap.name();
+            let skip = only.is_some_and(|o| o != name) || (ext.at_0_1_0() && name != DEFAULT_CAP);
+            (!skip && become_flusher(&cap, me, wait)).then(|| (cap.flushed(), name))
+        }) else {
             continue;
-        }
-        if !become_flusher(&cap, me, wait) {
-            continue;
-        }
-        let read = cap.flush_state();
+        };
+        let read = role.flush_state();
         let delta = read.pending(None);
         if write == Write::Add && delta.is_zero() {
-            cap.flushed().abort(); // nothing new: give the role back, write no row
+            role.abort(); // nothing new: give the role back, write no row
             continue;
         }
-        taken.push((cap, name, read, delta));
+        taken.push((role, name, read, delta));
     }
     let id = shmem::next_flush_id(session::statement_start().max(0) as u64);
-    for (cap, _, _, delta) in &taken {
-        cap.set_inflight(id, *delta);
+    for (role, _, _, delta) in &taken {
+        role.set_inflight(id, *delta);
     }
     // From here on the transaction's end settles the flush, whichever way it ends.
     let written: Vec<(String, CounterValues)> = taken
@@ -91,7 +94,7 @@ pub fn flush(
     session::flush_started(
         taken
             .into_iter()
-            .map(|(cap, _, read, _)| (cap.flushed(), read))
+            .map(|(role, _, read, _)| (role, read))
             .collect(),
     );
     match write {
@@ -226,15 +229,17 @@ pub fn pending(row_flush_id: Option<i64>) -> Vec<(String, CounterValues)> {
 pub fn discard_pending() -> usize {
     let me = session::pid();
     let mut dropped = 0;
-    for cap in shmem::caps(Some(session::database().to_u32())) {
-        if !cap.try_begin_flush(me) {
+    for r in shmem::cap_refs(session::database().to_u32()) {
+        let Some(role) =
+            shmem::pin(r).and_then(|cap| cap.try_begin_flush(me).then(|| cap.flushed()))
+        else {
             continue;
-        }
-        let read = cap.flush_state();
+        };
+        let read = role.flush_state();
         if !read.pending(None).is_zero() {
             dropped += 1;
         }
-        cap.flushed().commit(&read);
+        role.commit(&read);
     }
     dropped
 }

@@ -230,13 +230,6 @@ impl Cap {
             .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
-
-    pub fn set_inflight(&self, id: u64, delta: CounterValues) {
-        self.entry.write(|e| {
-            e.inflight.store(delta);
-            e.inflight_id.store(id, Ordering::Relaxed);
-        });
-    }
 }
 
 impl CapEntry {
@@ -335,6 +328,17 @@ impl CapEntry {
 pub struct Flushed(&'static CapEntry);
 
 impl Flushed {
+    pub fn set_inflight(&self, id: u64, delta: CounterValues) {
+        self.0.write(|e| {
+            e.inflight.store(delta);
+            e.inflight_id.store(id, Ordering::Relaxed);
+        });
+    }
+
+    pub fn flush_state(&self) -> FlushState {
+        self.0.flush_state()
+    }
+
     /// The flush's transaction committed: what it read is now in the table.
     pub fn commit(&self, read: &FlushState) {
         let e = self.0;
@@ -715,7 +719,17 @@ impl Segment {
             request_flush();
             return Err(CapError::NoEntry {
                 max_caps: self.header.max_caps,
-                held: self.live().filter(|e| !e.idle()).count() as u32,
+                held: self
+                    .live()
+                    .filter(|e| {
+                        !e.idle()
+                            || self
+                                .block(e)
+                                .1
+                                .iter()
+                                .any(|w| w.load(Ordering::Relaxed) != 0)
+                    })
+                    .count() as u32,
             });
         };
         let Some(block) = block else {
@@ -929,11 +943,29 @@ pub fn create(
     } else {
         Vec::new()
     };
-    locked(EXCLUSIVE, || {
-        let cap = seg.create(db, name, key, slots, &|d| !gone.contains(&d))?;
-        Ok(seg.entry(cap.entry).pin(cap))
-    })
+    // Full of caps that become idle as soon as their counts are flushed: a flush round has
+    // been asked for; wait for it (up to ROOM_WAIT), then fail closed.
+    let started = std::time::Instant::now();
+    loop {
+        let made = locked(EXCLUSIVE, || {
+            let cap = seg.create(db, name, key, slots, &|d| !gone.contains(&d))?;
+            Ok(seg.entry(cap.entry).pin(cap))
+        });
+        match made {
+            Err(CapError::NoEntry { .. } | CapError::NoMemory { .. })
+                if started.elapsed() < ROOM_WAIT =>
+            {
+                // SAFETY: a plain sleep, holding no lock or pin; then answer a cancel.
+                unsafe { pg_sys::pg_usleep(2_000) };
+                pgrx::check_for_interrupts!();
+            }
+            other => return other,
+        }
+    }
 }
+
+/// How long a create waits for a flush round to make idle caps reclaimable.
+const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(1_000);
 
 /// Moves `cap` to a block with room for `slots` slots (its holders keep theirs).
 pub fn grow(cap: CapRef, slots: u32) -> Result<(), CapError> {
@@ -951,6 +983,17 @@ pub fn reclaim_database(db: u32) {
             }
         }
     });
+}
+
+/// The caps of database `db`, unpinned: pin each with [`pin`] while using it.
+pub fn cap_refs(db: u32) -> Vec<CapRef> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    (0..seg.entries.len() as u32)
+        .filter(|&i| seg.entry(i).dboid.load(Ordering::Acquire) == db)
+        .map(|i| seg.cap_ref(i))
+        .collect()
 }
 
 /// Pinned caps of database `db` (every cap when `db` is None), in entry order.
