@@ -18,7 +18,7 @@ install_base_scripts = $(SUDO) install -m 644 $(BASE_SCRIPTS) \
 export PG_CONFIG
 
 .PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
-        test-integration lint clean package test-package
+        test-integration test-isolation lint clean package test-package
 
 deps:
 	@scripts/install-deps.sh $(PG) $(PG_CONFIG)
@@ -46,7 +46,7 @@ bench: install
 
 ## Everything, on PostgreSQL $(PG): slot-search and counter unit tests, in-server tests,
 ## multi-session tests on real clusters, the Python helper and the Django replay.
-test: deps test-unit test-pg test-integration
+test: deps test-unit test-pg test-integration test-isolation
 
 ## The whole suite on every supported major.
 test-all:
@@ -63,6 +63,22 @@ test-pg:
 
 test-integration: install-dev
 	.venv/bin/python -m pytest tests -v -s -p no:cacheprovider
+
+# Multi-session interleavings (tests/isolation/specs) with pg_isolation_regress on a temporary,
+# preloaded instance, run as the postgres OS user (initdb refuses root).
+ISOLATION_OUT ?= /tmp/stage_e_slots_isolation-$(PG)
+ISOLATION_SPECS = $(basename $(notdir $(wildcard tests/isolation/specs/*.spec)))
+test-isolation: install-dev
+	rm -rf $(ISOLATION_OUT) && mkdir -p $(ISOLATION_OUT) && cp -r tests/isolation/. $(ISOLATION_OUT)/
+	printf "shared_preload_libraries = 'stage_e_slots'\nstage_e_slots.flush_interval = '1h'\n" \
+	  > $(ISOLATION_OUT)/isolation.conf
+	chown -R postgres $(ISOLATION_OUT) 2>/dev/null || true
+	cd $(ISOLATION_OUT) && $(if $(filter 0,$(shell id -u)),runuser -u postgres --) \
+	  "$$($(PG_CONFIG) --pkglibdir)/pgxs/src/test/isolation/pg_isolation_regress" \
+	  --temp-instance=$(ISOLATION_OUT)/tmp_check --temp-config=$(ISOLATION_OUT)/isolation.conf \
+	  --bindir="$$($(PG_CONFIG) --bindir)" --inputdir=$(ISOLATION_OUT) \
+	  --outputdir=$(ISOLATION_OUT)/out $(ISOLATION_SPECS) \
+	  || { cat $(ISOLATION_OUT)/out/regression.diffs 2>/dev/null; exit 1; }
 
 ## Release artifacts in dist/ (scripts/package.sh): a .tar.gz for the PostgreSQL that PG_CONFIG
 ## names and, for Debian's PostgreSQL, postgresql-$(PG)-stage-e-slots_<version>_amd64.deb.

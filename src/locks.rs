@@ -69,7 +69,7 @@ pub fn held_by_me(key: i32, slot: u32) -> bool {
 mod unguarded {
     use pgrx::pg_sys::{LOCKMODE, LOCKTAG};
 
-    #[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
+    #[cfg(feature = "pg15")]
     #[allow(non_snake_case)]
     pub unsafe fn LockHeldByMe(tag: *const LOCKTAG, mode: LOCKMODE, _or_stronger: bool) -> bool {
         unsafe extern "C" {
@@ -79,7 +79,7 @@ mod unguarded {
         unsafe { lock_held_by_me(tag, mode) }
     }
 
-    #[cfg(any(feature = "pg17", feature = "pg18"))]
+    #[cfg(feature = "pg18")]
     #[allow(non_snake_case)]
     pub unsafe fn LockHeldByMe(tag: *const LOCKTAG, mode: LOCKMODE, or_stronger: bool) -> bool {
         unsafe extern "C" {

@@ -460,8 +460,9 @@ def test_slot_functions_refuse_to_run_in_parallel_mode(cluster, connect, name):
 
 # -- privileges --------------------------------------------------------------------------------
 
-SLOT_FUNCTIONS = ("stage_e_try_slot(integer), stage_e_release(integer), stage_e_release_all(), "
-                  "stage_e_holding(integer)")
+SLOT_FUNCTIONS = ("stage_e_try_slot(integer), stage_e_try_slot(text, integer), stage_e_release(integer), "
+                  "stage_e_release(text, integer), stage_e_release_all(), stage_e_release_all(text), "
+                  "stage_e_holding(integer), stage_e_holding(text, integer)")
 
 
 def test_execute_can_be_limited_to_worker_roles(cluster, db, connect):
@@ -476,7 +477,9 @@ def test_execute_can_be_limited_to_worker_roles(cluster, db, connect):
     admin.execute(f"GRANT EXECUTE ON FUNCTION {SLOT_FUNCTIONS} TO workers")
     with cluster.connect(db, user="intruder") as c:
         for call in ["SELECT stage_e_try_slot(1)", "SELECT stage_e_release(0)",
-                     "SELECT stage_e_release_all()", "SELECT stage_e_holding(0)"]:
+                     "SELECT stage_e_release_all()", "SELECT stage_e_holding(0)",
+                     "SELECT stage_e_try_slot('x', 1)", "SELECT stage_e_release('x', 0)",
+                     "SELECT stage_e_release_all('x')", "SELECT stage_e_holding('x', 0)"]:
             with pytest.raises(errors.InsufficientPrivilege):
                 c.execute(call)
         # Reading stays open to everyone.
@@ -485,6 +488,8 @@ def test_execute_can_be_limited_to_worker_roles(cluster, db, connect):
     with cluster.connect(db, user="worker_1") as w:
         assert one(w, "SELECT stage_e_try_slot(1)") == 0
         assert one(w, "SELECT stage_e_release(0)") is True
+        assert one(w, "SELECT stage_e_try_slot('x', 1)") == 0
+        assert one(w, "SELECT stage_e_release_all('x')") == 1
     assert slot_lock_holders(admin) == []
 
 

@@ -166,3 +166,20 @@ def test_a_dump_of_an_updated_database_restores():
                              ).fetchall() == rows
     finally:
         c.destroy()
+
+
+def test_a_leftover_max_databases_setting_only_warns():
+    """0.1.0's stage_e_slots.max_databases is gone; a postgresql.conf that still sets it must
+    not keep the server from starting."""
+    c = Cluster("leftover", {"stage_e_slots.max_databases": 16}).init().start()
+    try:
+        assert one_sql(c, "SELECT stage_e_try_slot(1)") == 0
+        assert 'invalid configuration parameter name "stage_e_slots.max_databases"' \
+            in c.log_text()
+    finally:
+        c.destroy()
+
+
+def one_sql(c, q):
+    c.sql("CREATE EXTENSION IF NOT EXISTS stage_e_slots")
+    return c.sql(q)[0][0]

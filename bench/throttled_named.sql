@@ -1,0 +1,1 @@
+SELECT stage_e_try_slot('tenant:1', :n);
