@@ -7,11 +7,13 @@ import sys
 import threading
 from pathlib import Path
 
+import psycopg
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "python"))
 
-from conftest import one, slot_lock_holders, stats  # noqa: E402
+from conftest import KEY, one, slot_lock_holders, stats, wait_for  # noqa: E402
+from pgcluster import Cluster  # noqa: E402
 from stage_e_slot import SlotConnection, connection_for, stage_e_slot  # noqa: E402
 
 
@@ -99,6 +101,9 @@ def test_a_forked_child_opens_its_own_connection_and_leaves_the_parents_slot_alo
             code = 1
             try:
                 os.close(r)
+                # The parent's slot is not the child's to give back: no release, anywhere.
+                if sc.release(0) is not False or sc._conn is not None:
+                    raise AssertionError("the child released the parent's slot")
                 with sc.slot(4) as s2:
                     os.write(w, f"{s2} {sc._conn.info.backend_pid}".encode())
                 sc.close()
@@ -117,5 +122,167 @@ def test_a_forked_child_opens_its_own_connection_and_leaves_the_parents_slot_alo
         assert sc.holding(0)
         assert sc._conn.info.backend_pid == parent_backend
         assert slot_lock_holders(observer) == [(0, parent_backend)]
+        assert stats(observer)["foreign_releases"] == 0
     assert slot_lock_holders(observer) == []
     sc.close()
+
+
+# -- named caps ------------------------------------------------------------------------------
+
+def cap_lock_holders(conn, cap):
+    """(slot, pid) of granted slot locks of `cap` in conn's database, straight from pg_locks:
+    classid = stage_e_cap_key(cap), objid = slot, objsubid = 2."""
+    rows = conn.execute(
+        "SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' "
+        "AND classid = stage_e_cap_key(%s)::oid AND objsubid = 2 AND granted AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database())", (cap,)).fetchall()
+    return sorted(rows)
+
+
+def test_two_caps_have_independent_slots_and_counters(dsn, connect):
+    observer = connect("observer")
+    other_worker = SlotConnection(dsn, application_name="other-worker")
+    try:
+        with stage_e_slot(dsn, "exports", n=1) as exports, \
+                stage_e_slot(dsn, "dispatch", n=1) as dispatch:
+            # Each cap has its own slot 0, held at once by this thread's one connection.
+            assert (exports, dispatch) == (0, 0)
+            pid = connection_for(dsn)._conn.info.backend_pid
+            assert cap_lock_holders(observer, "exports") == [(0, pid)]
+            assert cap_lock_holders(observer, "dispatch") == [(0, pid)]
+            # Another worker: exports is full, so throttled; the default cap is untouched.
+            with other_worker.slot(1, cap="exports") as second:
+                assert second is None
+            with other_worker.slot(1) as default_slot:
+                assert default_slot == 0
+                assert slot_lock_holders(observer) == [
+                    (0, other_worker._conn.info.backend_pid)]
+            e, d, dflt = (stats(observer, c) for c in ("exports", "dispatch", "default"))
+            assert (e["held"], e["acquired"], e["throttled"]) == (1, 1, 1)
+            assert (d["held"], d["acquired"], d["throttled"]) == (1, 1, 0)
+            assert (dflt["acquired"], dflt["throttled"], dflt["released"]) == (1, 0, 1)
+            # The one throttle is on the exports row, and on no other.
+            assert one(observer, "SELECT sum(throttled) FROM stage_e_stats()") == 1
+        assert cap_lock_holders(observer, "exports") == []
+        assert cap_lock_holders(observer, "dispatch") == []
+        assert stats(observer, "exports")["released"] == 1
+        assert stats(observer, "dispatch")["released"] == 1
+    finally:
+        other_worker.close()
+
+
+def test_release_gives_back_the_slot_of_its_own_cap(dsn, connect, caplog):
+    observer = connect("observer")
+    key = {c: one(observer, "SELECT stage_e_cap_key(%s)", (c,)) for c in ("exports", "dispatch")}
+    assert len({key["exports"], key["dispatch"], KEY}) == 3
+    sc = connection_for(dsn)
+    pid = sc._connection().info.backend_pid
+    with stage_e_slot(dsn, "dispatch", n=2) as d:
+        with stage_e_slot(dsn, "exports", n=2) as e:
+            assert (d, e) == (0, 0)
+            held = observer.execute(
+                "SELECT classid::bigint, objid::int, objsubid FROM pg_locks "
+                "WHERE locktype = 'advisory' AND granted AND pid = %s ORDER BY 1", (pid,))
+            assert sorted(held.fetchall()) == sorted(
+                [(key["exports"] % 2**32, 0, 2), (key["dispatch"] % 2**32, 0, 2)])
+            assert sc.holding(0, cap="exports") and sc.holding(0, cap="dispatch")
+            assert not sc.holding(0)  # the default cap's slot 0 is another lock
+        # Leaving the exports region gave back exports' slot 0, not dispatch's.
+        assert cap_lock_holders(observer, "exports") == []
+        assert cap_lock_holders(observer, "dispatch") == [(0, pid)]
+        assert sc.holding(0, cap="dispatch") and not sc.holding(0, cap="exports")
+    assert cap_lock_holders(observer, "dispatch") == []
+
+    # release() names its cap: the wrong cap is a logged no-op, the right one frees the slot.
+    slot = sc.try_slot(3, cap="exports")
+    assert slot == 0
+    with caplog.at_level(logging.ERROR, logger="stage_e_slot"):
+        assert sc.release(slot, cap="dispatch") is False
+    assert "slot 0 of cap 'dispatch' was no longer held" in caplog.text
+    assert cap_lock_holders(observer, "exports") == [(0, pid)]
+    assert stats(observer, "dispatch")["foreign_releases"] == 1
+    assert sc.release(slot, cap="exports") is True
+    assert cap_lock_holders(observer, "exports") == []
+    assert stats(observer, "exports")["foreign_releases"] == 0
+    assert sc._conn.info.backend_pid == pid  # one connection throughout
+
+
+def test_bad_arguments_raise_and_keep_the_other_caps_slots(dsn, connect):
+    observer = connect("observer")
+    with stage_e_slot(dsn, "exports", n=1) as slot:
+        assert slot == 0
+        pid = connection_for(dsn)._conn.info.backend_pid
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="cap name"):
+            with stage_e_slot(dsn, "", n=1):
+                pass
+        with pytest.raises(psycopg.errors.InvalidParameterValue, match="out of range"):
+            with stage_e_slot(dsn, "dispatch", n=0):
+                pass
+        with pytest.raises(TypeError, match="cap must be a cap name"):
+            with stage_e_slot(dsn, 4, n=1):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(psycopg.errors.InvalidParameterValue):
+            connection_for(dsn).holding(0, cap="x" * 64)
+        assert cap_lock_holders(observer, "exports") == [(0, pid)]
+        assert connection_for(dsn)._conn.info.backend_pid == pid
+    assert cap_lock_holders(observer, "exports") == []
+
+
+def test_a_cap_the_server_has_no_room_for_is_throttled_and_the_connection_is_kept(caplog):
+    """With every cap entry in use (stage_e_slots.max_caps), one more cap is refused (53400, an
+    OperationalError in psycopg). That is "throttled" for the new cap, but the connection is
+    healthy and holds this thread's other caps' slots: it must not be closed."""
+    c = Cluster("helper_few_caps", {"stage_e_slots.max_caps": 16}).init().start()
+    sc = SlotConnection(c.conninfo("postgres", "helper-test"))
+    try:
+        c.sql("CREATE EXTENSION stage_e_slots")
+        with c.connect() as filler, c.connect() as observer:
+            with sc.slot(1, cap="outer") as outer:
+                assert outer == 0
+                pid = sc._conn.info.backend_pid
+                for i in range(15):
+                    assert one(filler, "SELECT stage_e_try_slot(%s, 1)", (f"cap-{i}",)) == 0
+                with caplog.at_level(logging.WARNING, logger="stage_e_slot"):
+                    with sc.slot(1, cap="one too many") as refused:
+                        assert refused is None
+                assert "the server refused the slot" in caplog.text
+                assert "stage_e_slots has no room for cap" in caplog.text
+                assert "cannot reach the database" not in caplog.text
+                # The outer region's slot is still held, on the same session.
+                assert sc._conn.info.backend_pid == pid and sc.holding(0, cap="outer")
+                assert cap_lock_holders(observer, "outer") == [(0, pid)]
+            assert cap_lock_holders(observer, "outer") == []
+            assert stats(observer, "outer")["released"] == 1
+            assert stats(observer, "outer")["released_by_exit"] == 0
+    finally:
+        sc.close()
+        c.destroy()
+
+
+def test_after_a_failed_release_the_other_regions_slot_is_reported_lost_not_released_elsewhere(
+        dsn, connect, caplog):
+    """Nested regions of two caps share the thread's connection. If it dies, the inner release
+    fails and drops it; the outer region's slot went with the session, and its release must say
+    so rather than open a new session and release there (a foreign release)."""
+    observer = connect("observer")
+    sc = SlotConnection(dsn)
+    with caplog.at_level(logging.ERROR, logger="stage_e_slot"):
+        with sc.slot(1, cap="exports") as e:
+            with sc.slot(1, cap="dispatch") as d:
+                assert (e, d) == (0, 0)
+                pid = sc._conn.info.backend_pid
+                one(observer, "SELECT pg_terminate_backend(%s)", (pid,))
+            assert "release of slot 0 failed (cap 'dispatch'" in caplog.text
+            assert sc._conn is None
+        assert "slot 0 of cap 'exports' was lost with its connection" in caplog.text
+    assert sc._conn is None  # the outer release opened no session
+    for cap in ("exports", "dispatch"):
+        wait_for(lambda: stats(observer, cap)["released_by_exit"] == 1,
+                 what=f"{cap}'s slot counted as released by exit")
+        assert stats(observer, cap)["foreign_releases"] == 0
+        assert stats(observer, cap)["released"] == 0
+    # The next region opens a fresh connection and works.
+    with sc.slot(1, cap="exports") as e:
+        assert e == 0 and sc._conn.info.backend_pid != pid
+    sc.close()
+    assert cap_lock_holders(observer, "exports") == []

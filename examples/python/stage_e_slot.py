@@ -1,4 +1,4 @@
-"""Hold a stage_e_slots slot on a connection you alone own.
+"""Hold a stage_e_slots slot of a named cap on a connection you alone own.
 
 A slot is a session-level advisory lock: it lives exactly as long as the connection that took
 it. Holding it on a framework's connection (Django's ``django.db.connection``, a pool's) is the
@@ -7,12 +7,40 @@ the cap silently stops binding. This module keeps one dedicated autocommit conne
 process and thread, never shared with anything else, and fails closed: if it cannot talk to the
 database, the caller is told "throttled", never "go ahead uncapped".
 
+Each cap has a name and its own slots: ``stage_e_slot(DSN, "exports", n=4)`` takes one of the
+4 slots of the cap ``exports``, whatever the other caps hold. Leaving the name out is the cap
+``default``, the one the SQL functions' one-argument forms use::
+
     from stage_e_slot import stage_e_slot
 
-    with stage_e_slot(DSN, n=8) as slot:
+    with stage_e_slot(DSN, "exports", n=4) as slot:
         if slot is None:
-            return "throttled"
+            return "throttled"       # counted on the exports row of stage_e_throttle_totals
         do_the_work()
+
+    with stage_e_slot(DSN, n=8) as slot:   # the cap named "default"
+        ...
+
+The slots of every cap this thread holds live on its one connection, so regions of different
+caps nest freely. ``connection_for(DSN)`` is that connection's ``SlotConnection``: its
+``try_slot``, ``release``, ``holding`` and ``slot`` take the cap as the keyword ``cap``
+(default ``"default"``), e.g. ``connection_for(DSN).holding(slot, cap="exports")`` before
+committing work.
+
+Failures:
+
+- The database cannot be reached (or the connection broke): the slot is "throttled" (None),
+  with a WARNING in the log, and the broken connection is replaced on the next call.
+- The server refuses the slot with an operational error (no room for one more cap,
+  ``stage_e_slots.max_caps``; the extension not preloaded; a statement timeout): also None,
+  logged as an ERROR, and the connection is kept, so the slots of the other caps this thread
+  holds on it stay held.
+- Bad arguments (an empty or over-long cap name, n out of range) raise, and so does a database
+  without the extension at version 0.2.0 or later (``ALTER EXTENSION stage_e_slots UPDATE``):
+  they are bugs to fix, not load.
+- A release that fails closes the connection, which frees the slot; it also frees every other
+  slot the thread held on it, and their regions' releases then report them lost. A release
+  never opens a new connection: a slot can only be given back by the session that took it.
 
 Opening a connection costs milliseconds; the slot call itself a fraction of one. So the
 connection is reused across calls (per thread, and re-opened after a fork or a failure).
@@ -25,14 +53,29 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 
 log = logging.getLogger("stage_e_slot")
 
+DEFAULT_CAP = "default"
+
+
+def _value(conn: psycopg.Connection, query: str, params: tuple[object, ...]) -> Any:
+    """The one value of a one-row SELECT."""
+    row = conn.execute(query, params).fetchone()
+    return row[0] if row is not None else None
+
+
+def _check_cap(cap: str) -> None:
+    # A cap is a name; an int here is almost surely n passed in its place.
+    if not isinstance(cap, str):
+        raise TypeError(f"cap must be a cap name (str), not {type(cap).__name__}: {cap!r}")
+
 
 class SlotConnection:
-    """One dedicated autocommit connection for taking and releasing slots."""
+    """One dedicated autocommit connection for taking and releasing slots of any cap."""
 
     def __init__(self, dsn: str, *, application_name: str | None = None,
                  connect_timeout: int = 5) -> None:
@@ -42,10 +85,15 @@ class SlotConnection:
         self._conn: psycopg.Connection | None = None
         self._pid = os.getpid()
 
+    def _usable(self) -> bool:
+        """Whether the current connection is this process's and still alive."""
+        conn = self._conn
+        return (conn is not None and self._pid == os.getpid() and not conn.broken
+                and not conn.closed)
+
     def _connection(self) -> psycopg.Connection:
         # A connection must never cross a fork: the child would share the parent's session.
-        if self._conn is not None and (self._pid != os.getpid() or self._conn.broken
-                                       or self._conn.closed):
+        if self._conn is not None and not self._usable():
             self._drop()
         if self._conn is None:
             self._conn = psycopg.connect(self.dsn, autocommit=True,
@@ -62,48 +110,91 @@ class SlotConnection:
             except Exception:  # noqa: BLE001 - already broken; nothing more to do
                 pass
 
-    def try_slot(self, n: int) -> int | None:
-        """A slot of the cap n, or None when throttled or when the database is unreachable."""
-        try:
-            return self._connection().execute("SELECT stage_e_try_slot(%s)", (n,)).fetchone()[0]
-        except psycopg.OperationalError as e:
-            log.warning("stage_e_slot: treating as throttled, cannot reach the database: %s", e)
-            self._drop()
-            return None
+    @staticmethod
+    def _connection_lost(conn: psycopg.Connection, e: psycopg.Error) -> bool:
+        """Whether `e` means the session is gone (rather than a statement the server refused)."""
+        sqlstate = e.sqlstate or ""
+        return (conn.broken or conn.closed or not sqlstate
+                or sqlstate.startswith(("08", "57P")))
 
-    def release(self, slot: int) -> bool:
-        """Gives the slot back; False (logged) if this connection no longer held it."""
+    def try_slot(self, n: int, *, cap: str = DEFAULT_CAP) -> int | None:
+        """A slot of `cap` (in [0, n)), or None when throttled or when no slot can be had."""
+        _check_cap(cap)
         try:
-            released = self._connection().execute(
-                "SELECT stage_e_release(%s)", (slot,)).fetchone()[0]
+            conn = self._connection()
+        except psycopg.OperationalError as e:
+            log.warning("stage_e_slot: treating as throttled (cap %r), cannot reach the "
+                        "database: %s", cap, e)
+            return None
+        try:
+            slot = _value(conn, "SELECT stage_e_try_slot(%s, %s)", (cap, n))
+        except psycopg.OperationalError as e:
+            if self._connection_lost(conn, e):
+                log.warning("stage_e_slot: treating as throttled (cap %r), cannot reach the "
+                            "database: %s", cap, e)
+                self._drop()
+            else:
+                # The session is fine (and may hold other caps' slots): keep it.
+                log.error("stage_e_slot: treating as throttled (cap %r), the server refused "
+                          "the slot: %s", cap, e)
+            return None
+        return None if slot is None else int(slot)
+
+    def release(self, slot: int, *, cap: str = DEFAULT_CAP) -> bool:
+        """Gives the slot of `cap` back; False (logged) if this connection no longer held it."""
+        _check_cap(cap)
+        if not self._usable():
+            # Another session's release would only be a foreign release: either the session
+            # that took the slot is gone, and the slot with it, or it is the parent's (forked).
+            if self._conn is not None and self._pid != os.getpid():
+                log.error("stage_e_slot: slot %s of cap %r belongs to the connection of process "
+                          "%s; a forked child does not release it", slot, cap, self._pid)
+            else:
+                log.error("stage_e_slot: slot %s of cap %r was lost with its connection before "
+                          "its release: the cap did not bind for this region", slot, cap)
+            self._drop()
+            return False
+        conn = self._connection()
+        try:
+            released = _value(conn, "SELECT stage_e_release(%s, %s)", (cap, slot))
         except Exception as e:  # noqa: BLE001 - any failure: drop the session, which frees it
-            log.error("stage_e_slot: release of slot %s failed (%s); closing the connection",
-                      slot, e)
+            log.error("stage_e_slot: release of slot %s failed (cap %r: %s); closing the "
+                      "connection, which frees it and any other slot it held", slot, cap, e)
             self._drop()
             return False
         if not released:
-            log.error("stage_e_slot: slot %s was no longer held by this connection when "
-                      "released: the cap did not bind for this region", slot)
+            log.error("stage_e_slot: slot %s of cap %r was no longer held by this connection "
+                      "when released: the cap did not bind for this region", slot, cap)
         return bool(released)
 
-    def holding(self, slot: int) -> bool:
-        """Whether this connection still holds the slot (check before committing work)."""
-        try:
-            return bool(self._connection().execute(
-                "SELECT stage_e_holding(%s)", (slot,)).fetchone()[0])
-        except psycopg.Error:
+    def holding(self, slot: int, *, cap: str = DEFAULT_CAP) -> bool:
+        """Whether this connection still holds the slot of `cap` (check before committing)."""
+        _check_cap(cap)
+        if not self._usable():
             self._drop()
+            return False  # a new session would hold nothing
+        conn = self._connection()
+        try:
+            return bool(_value(conn, "SELECT stage_e_holding(%s, %s)", (cap, slot)))
+        except (psycopg.DataError, psycopg.ProgrammingError):
+            raise  # bad arguments, or the extension is missing: a bug, not a lost slot
+        except psycopg.Error as e:
+            log.error("stage_e_slot: cannot tell whether slot %s of cap %r is held (%s); "
+                      "treating it as not held", slot, cap, e)
+            if self._connection_lost(conn, e):
+                self._drop()
             return False
 
     @contextmanager
-    def slot(self, n: int) -> Iterator[int | None]:
-        """Yields a held slot (released on exit, whatever happens) or None when throttled."""
-        slot = self.try_slot(n)
+    def slot(self, n: int, *, cap: str = DEFAULT_CAP) -> Iterator[int | None]:
+        """Yields a held slot of `cap` (released on exit, whatever happens) or None when
+        throttled."""
+        slot = self.try_slot(n, cap=cap)
         try:
             yield slot
         finally:
             if slot is not None:
-                self.release(slot)
+                self.release(slot, cap=cap)
 
     def close(self) -> None:
         self._drop()
@@ -114,7 +205,7 @@ _local = threading.local()
 
 def connection_for(dsn: str) -> SlotConnection:
     """This thread's dedicated SlotConnection for `dsn` (created on first use)."""
-    conns = getattr(_local, "conns", None)
+    conns: dict[str, SlotConnection] | None = getattr(_local, "conns", None)
     if conns is None:
         conns = _local.conns = {}
     if dsn not in conns:
@@ -123,7 +214,8 @@ def connection_for(dsn: str) -> SlotConnection:
 
 
 @contextmanager
-def stage_e_slot(dsn: str, n: int) -> Iterator[int | None]:
-    """``with stage_e_slot(dsn, n=8) as slot:`` on this thread's dedicated connection."""
-    with connection_for(dsn).slot(n) as slot:
+def stage_e_slot(dsn: str, cap: str = DEFAULT_CAP, *, n: int) -> Iterator[int | None]:
+    """``with stage_e_slot(dsn, "exports", n=4) as slot:`` on this thread's dedicated
+    connection; ``stage_e_slot(dsn, n=8)`` is the cap ``default``."""
+    with connection_for(dsn).slot(n, cap=cap) as slot:
         yield slot

@@ -1,5 +1,6 @@
 """A minimal Django project replaying the incident: django-q2 with its ORM broker and Django's
-default CONN_MAX_AGE = 0. The database comes from the environment (run_incident.py sets it)."""
+default CONN_MAX_AGE = 0, and Django admin showing the extension's counter rows (read-only).
+The database comes from the environment (run_incident.py and check_admin.py set it)."""
 
 import os
 import sys
@@ -11,9 +12,47 @@ sys.path.insert(0, str(BASE_DIR.parent / "python"))
 
 SECRET_KEY = "stage-e-slots-example-not-secret"
 DEBUG = False
+ALLOWED_HOSTS = ["localhost", "127.0.0.1"]
 USE_TZ = True
-INSTALLED_APPS = ["django_q", "dispatch"]
+TIME_ZONE = "UTC"
+INSTALLED_APPS = [
+    # Django admin, where the extension's counter rows are shown (stage_e_counters).
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_q",
+    "dispatch",
+    "stage_e_counters",
+]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+ROOT_URLCONF = "capdemo.urls"
+STATIC_URL = "static/"
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    }
+]
 
 DATABASES = {
     "default": {
