@@ -286,3 +286,34 @@ def test_after_a_failed_release_the_other_regions_slot_is_reported_lost_not_rele
         assert e == 0 and sc._conn.info.backend_pid != pid
     sc.close()
     assert cap_lock_holders(observer, "exports") == []
+
+
+def test_a_slot_taken_by_a_call_that_then_failed_is_given_back(dsn, connect, monkeypatch):
+    """A cancel or statement_timeout can land after the server took the slot: the client sees
+    an error, the session holds a slot nobody knows of. The helper keeps the connection (it
+    holds the thread's other slots) and releases that one."""
+    import stage_e_slot as helper
+
+    observer = connect("observer")
+    sc = SlotConnection(dsn)
+    with sc.slot(1, cap="outer") as outer:
+        assert outer == 0
+        backend = sc._conn.info.backend_pid
+        real = helper._value
+
+        def cancelled_after_the_fact(conn, query, params):
+            real(conn, query, params)
+            if "stage_e_try_slot" in query:
+                raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+            return None
+
+        monkeypatch.setattr(helper, "_value", cancelled_after_the_fact)
+        assert sc.try_slot(2, cap="inner") is None
+        monkeypatch.setattr(helper, "_value", real)
+        locks = observer.execute(
+            "SELECT cap, slot FROM stage_e_slot_holders WHERE pid = %s ORDER BY cap",
+            (backend,)).fetchall()
+        assert locks == [("outer", 0)]  # the inner slot went back; the outer one stayed
+        assert sc._conn.info.backend_pid == backend
+    assert slot_lock_holders(observer) == []
+    sc.close()

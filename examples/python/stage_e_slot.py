@@ -84,6 +84,8 @@ class SlotConnection:
         self.connect_timeout = connect_timeout
         self._conn: psycopg.Connection | None = None
         self._pid = os.getpid()
+        # Slots this object took on its connection, per cap (to find any it did not hear of).
+        self._held: dict[str, set[int]] = {}
 
     def _usable(self) -> bool:
         """Whether the current connection is this process's and still alive."""
@@ -104,6 +106,7 @@ class SlotConnection:
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
+        self._held.clear()
         if conn is not None and self._pid == os.getpid():
             try:
                 conn.close()  # closing the session frees any slot it still holds
@@ -134,11 +137,33 @@ class SlotConnection:
                             "database: %s", cap, e)
                 self._drop()
             else:
-                # The session is fine (and may hold other caps' slots): keep it.
+                # The session is fine (and may hold other caps' slots): keep it. But the error
+                # may have come after the server took a slot (a cancel or statement_timeout
+                # landing just then): a slot we did not hear of would be held until the
+                # connection closes, so give back any of this cap we do not know.
                 log.error("stage_e_slot: treating as throttled (cap %r), the server refused "
                           "the slot: %s", cap, e)
+                self._release_unknown(conn, cap)
             return None
-        return None if slot is None else int(slot)
+        if slot is None:
+            return None
+        self._held.setdefault(cap, set()).add(int(slot))
+        return int(slot)
+
+    def _release_unknown(self, conn: psycopg.Connection, cap: str) -> None:
+        """Releases this session's slots of `cap` that no region of ours holds."""
+        try:
+            rows = conn.execute("SELECT slot FROM stage_e_slot_holders "
+                                "WHERE pid = pg_backend_pid() AND cap = %s", (cap,)).fetchall()
+            for (slot,) in rows:
+                if slot not in self._held.get(cap, set()):
+                    conn.execute("SELECT stage_e_release(%s, %s)", (cap, slot))
+                    log.error("stage_e_slot: released slot %s of cap %r, taken by a call that "
+                              "then failed", slot, cap)
+        except psycopg.Error as e:
+            log.error("stage_e_slot: could not check the slots of cap %r after a failed call "
+                      "(%s); closing the connection", cap, e)
+            self._drop()
 
     def release(self, slot: int, *, cap: str = DEFAULT_CAP) -> bool:
         """Gives the slot of `cap` back; False (logged) if this connection no longer held it."""
@@ -155,6 +180,7 @@ class SlotConnection:
             self._drop()
             return False
         conn = self._connection()
+        self._held.get(cap, set()).discard(slot)
         try:
             released = _value(conn, "SELECT stage_e_release(%s, %s)", (cap, slot))
         except Exception as e:  # noqa: BLE001 - any failure: drop the session, which frees it
