@@ -11,8 +11,9 @@ use crate::errors::{raise, raise_flush, raise_internal, raise_not_installed, war
 use crate::flush::{self, Write};
 use crate::gucs;
 use crate::shmem;
-use crate::slots::{self, Release};
+use crate::slots::{self, Release, SlotError};
 use crate::sql;
+use crate::waiting::Wait;
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
 use serde::Serialize;
@@ -21,16 +22,35 @@ use serde::Serialize;
 /// so the counter columns are listed in one place ([`crate::counters`]'s list, passed in by
 /// `for_each_counter!`). The body yields `(leading columns, CounterValues)` pairs.
 macro_rules! counter_table_fn {
-    ([$($c:ident),*]
+    ([$($c:ident: $cty:tt),*]
      $(#[$attr:meta])*
      fn $name:ident($($args:tt)*) -> ($($lead:ident: $lty:tt),*) $body:block) => {
         $(#[$attr])*
         #[allow(clippy::type_complexity)]
-        fn $name($($args)*) -> TableIterator<'static, ($(name!($lead, $lty),)* $(name!($c, i64),)*)> {
+        fn $name($($args)*) -> TableIterator<'static, ($(name!($lead, $lty),)* $(name!($c, $cty),)*)> {
             let rows: Vec<(($($lty,)*), CounterValues)> = $body;
-            TableIterator::new(rows.into_iter().map(|(($($lead,)*), v)| ($($lead,)* $(v.$c as i64,)*)))
+            TableIterator::new(rows.into_iter().map(|(($($lead,)*), v)| {
+                ($($lead,)* $(<$cty as FromCounter>::from_counter(v.$c),)*)
+            }))
         }
     };
+}
+
+/// A counter as SQL shows it: a count as bigint, a time (microseconds) as interval.
+trait FromCounter {
+    fn from_counter(v: u64) -> Self;
+}
+
+impl FromCounter for i64 {
+    fn from_counter(v: u64) -> Self {
+        v as i64
+    }
+}
+
+impl FromCounter for Interval {
+    fn from_counter(us: u64) -> Self {
+        sql::interval_us(us)
+    }
 }
 
 // -- slots ---------------------------------------------------------------------------------------
@@ -46,6 +66,52 @@ fn stage_e_try_slot(n: Option<i32>) -> Option<i32> {
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
 fn stage_e_try_slot_cap(cap: Option<&str>, n: Option<i32>) -> Option<i32> {
     try_slot(cap, n)
+}
+
+/// A slot in `[0, n)` of cap `cap`, waiting up to `wait` for one (in arrival order); NULL
+/// once `wait` has passed.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
+fn stage_e_try_slot_wait_cap(
+    cap: Option<&str>,
+    n: Option<i32>,
+    wait: Option<Interval>,
+) -> Option<i32> {
+    try_slots(cap, n, Some(1), wait).map(|s| s[0])
+}
+
+/// The same for the cap `default`.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
+fn stage_e_try_slot_wait(n: Option<i32>, wait: Option<Interval>) -> Option<i32> {
+    try_slots(Some(DEFAULT_CAP), n, Some(1), wait).map(|s| s[0])
+}
+
+/// k distinct slots of `[0, n)` of cap `cap`, all or none, waiting up to `wait` for them;
+/// NULL when they could not all be had in time.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_try_slots(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: default!(Option<Interval>, "'0'"),
+) -> Option<Vec<i32>> {
+    try_slots(cap, n, k, wait)
+}
+
+fn try_slots(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: Option<Interval>,
+) -> Option<Vec<i32>> {
+    let wait = wait
+        .ok_or(SlotError::NullArgument { name: "wait" })
+        .and_then(|w| {
+            Wait::from_interval(w.months(), w.days(), w.micros()).ok_or(SlotError::NegativeWait)
+        })
+        .unwrap_or_else(|e| raise(e));
+    slots::try_slots(cap, n, k, wait)
+        .unwrap_or_else(|e| raise(e))
+        .map(|v| v.into_iter().map(|s| s as i32).collect())
 }
 
 fn try_slot(cap: Option<&str>, n: Option<i32>) -> Option<i32> {
@@ -115,7 +181,7 @@ for_each_counter!(counter_table_fn,
     /// One row per cap in use in the current database: counters since the cap was created,
     /// and the slots held now (from the lock manager).
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
-    fn stage_e_stats_v2() -> (cap: String, max_slots: i32, held: i32) {
+    fn stage_e_stats_v3() -> (cap: String, max_slots: i32, held: i32) {
         let max_slots = gucs::max_slots() as i32;
         slots::stats()
             .unwrap_or_else(|e| raise(e))
@@ -149,7 +215,7 @@ for_each_counter!(counter_table_fn,
     /// Adds every cap's pending counts to its stage_e_throttle_counter row now; returns what it
     /// added, per cap. Restricted (EXECUTE revoked from PUBLIC): superusers and the owner.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_flush")]
-    fn stage_e_flush_v2() -> (cap: String) {
+    fn stage_e_flush_v3() -> (cap: String) {
         slots::ready().unwrap_or_else(|e| raise(e));
         flush::flush(Write::Add, None, true)
             .unwrap_or_else(|e| raise_flush(e))
@@ -199,7 +265,7 @@ for_each_counter!(counter_table_fn,
     /// the rows the caller read (the view passes it) so that a flush committing at that moment
     /// is not counted twice.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_pending")]
-    fn stage_e_pending_v2(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
+    fn stage_e_pending_v3(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
         slots::attached().unwrap_or_else(|e| raise(e));
         flush::pending(row_flush_id)
             .into_iter()
@@ -207,6 +273,57 @@ for_each_counter!(counter_table_fn,
             .collect()
     }
 );
+
+/// Sessions waiting for slots in the current database (`stage_e_slot_waiters` adds session
+/// columns): position 1 is the head of its cap's queue.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_slot_waiters_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, String),
+        name!(pid, i32),
+        name!(n, i32),
+        name!(k, i32),
+        name!(waiting_since, Option<TimestampWithTimeZone>),
+        name!(position, i32),
+    ),
+> {
+    let rows = slots::waiters().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().map(|w| {
+        let since = TimestampWithTimeZone::try_from(w.since).ok();
+        (
+            w.cap,
+            w.pid,
+            w.n as i32,
+            w.k as i32,
+            since,
+            w.position as i32,
+        )
+    }))
+}
+
+/// Per cap, the slots held and the throttles per minute, averaged over 1, 5 and 15 minutes
+/// from the launcher's samples (`stage_e_cap_load` shows them).
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_cap_load_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, String),
+        name!(held_1m, f64),
+        name!(held_5m, f64),
+        name!(held_15m, f64),
+        name!(throttled_per_min_1m, f64),
+        name!(throttled_per_min_5m, f64),
+        name!(throttled_per_min_15m, f64),
+    ),
+> {
+    let rows = slots::load().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().map(|l| {
+        let [h1, h5, h15] = l.held;
+        let [t1, t5, t15] = l.throttles_per_min;
+        (l.cap, h1, h5, h15, t1, t5, t15)
+    }))
+}
 
 // -- snapshot ------------------------------------------------------------------------------------
 
@@ -282,26 +399,41 @@ pub fn snapshot_document() -> serde_json::Value {
     // Read-only statements (no transaction id): this works on a standby and in a READ ONLY
     // transaction, like the views.
     let read = sql::read(|c| {
-        let cols = CounterValues::NAMES.join(", ");
+        // Times come back as microseconds; a table of before 0.3.0 has fewer counters.
+        let n = ext.counter_columns();
+        let cols: Vec<String> = CounterValues::NAMES[..n]
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                if CounterValues::is_time(i) {
+                    format!(
+                        "(pg_catalog.extract(epoch FROM {c}) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8"
+                    )
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect();
         let rows = c
             .select(
                 &format!(
-                    "SELECT {cap_col}, {cols}, flushed_at::pg_catalog.text, flush_id \
-                       FROM {schema}.stage_e_throttle_counter ORDER BY 1"
+                    "SELECT {cap_col}, {}, flushed_at::pg_catalog.text, flush_id \
+                       FROM {schema}.stage_e_throttle_counter ORDER BY 1",
+                    cols.join(", ")
                 ),
                 None,
                 &[],
             )?
             .map(|row| {
                 let mut v = [0u64; crate::counters::COUNT];
-                for (i, x) in v.iter_mut().enumerate() {
+                for (i, x) in v.iter_mut().enumerate().take(n) {
                     *x = row.get::<i64>(i + 2)?.unwrap_or(0) as u64;
                 }
                 Ok((
                     row.get::<String>(1)?.unwrap_or_default(),
                     CounterValues::from_array(v),
-                    row.get::<String>(crate::counters::COUNT + 2)?,
-                    row.get::<i64>(crate::counters::COUNT + 3)?.unwrap_or(0),
+                    row.get::<String>(n + 2)?,
+                    row.get::<i64>(n + 3)?.unwrap_or(0),
                 ))
             })
             .collect::<Result<Vec<_>, pgrx::spi::Error>>()?;
@@ -388,8 +520,10 @@ extension_sql_file!(
     name = "views",
     requires = [
         "counter_table",
-        stage_e_pending_v2,
-        stage_e_slot_holders_internal_v2
+        stage_e_pending_v3,
+        stage_e_slot_holders_internal_v2,
+        stage_e_slot_waiters_internal,
+        stage_e_cap_load_internal
     ],
 );
 

@@ -1,8 +1,12 @@
-//! The 0.1.0 functions whose result changed shape in 0.2.0. A database created at 0.1.0 keeps
-//! calling them by their C symbols until it runs `ALTER EXTENSION stage_e_slots UPDATE`, so
-//! they stay in the library, answering as 0.1.0 did: for the cap `default` only. They are not
-//! part of a fresh install (`sql = false`); the 0.1.0 functions whose shape did not change
-//! (try, release, release_all, holding, reset) share their symbols with 0.2.0 (`api`).
+//! Functions of earlier versions whose result changed shape since. A database created at an
+//! earlier version keeps calling them by their C symbols until it runs `ALTER EXTENSION
+//! stage_e_slots UPDATE`, so they stay in the library, answering as that version did. They are
+//! not part of a fresh install (`sql = false`); functions whose shape did not change share their
+//! symbols with the current version (`api`).
+//!
+//! - 0.1.0 (one anonymous cap): stats, holders, flush, pending and snapshot, for the cap
+//!   `default` only.
+//! - 0.2.0 (named caps, five counters): stats, flush and pending.
 
 use crate::counters::CounterValues;
 use crate::directory::DEFAULT_CAP;
@@ -140,4 +144,81 @@ fn stage_e_snapshot() -> pgrx::JsonB {
         raise_internal("could not build the snapshot".into());
     }
     pgrx::JsonB(out)
+}
+
+// -- 0.2.0: named caps, five counters ---------------------------------------------------------
+
+type Row8 = (String, i32, i32, i64, i64, i64, i64, i64);
+
+#[pg_extern(sql = false)]
+#[allow(clippy::type_complexity)]
+fn stage_e_stats_v2() -> TableIterator<
+    'static,
+    (
+        name!(cap, String),
+        name!(max_slots, i32),
+        name!(held, i32),
+        name!(acquired, i64),
+        name!(throttled, i64),
+        name!(released, i64),
+        name!(foreign_releases, i64),
+        name!(released_by_exit, i64),
+    ),
+> {
+    let max_slots = gucs::max_slots() as i32;
+    let rows: Vec<Row8> = slots::stats()
+        .unwrap_or_else(|e| raise(e))
+        .into_iter()
+        .map(|s| {
+            let (a, t, r, f, x) = five(s.counts);
+            (s.cap, max_slots, s.held as i32, a, t, r, f, x)
+        })
+        .collect();
+    TableIterator::new(rows)
+}
+
+fn per_cap(rows: Vec<(String, CounterValues)>) -> Vec<(String, i64, i64, i64, i64, i64)> {
+    rows.into_iter()
+        .map(|(cap, v)| {
+            let (a, t, r, f, x) = five(v);
+            (cap, a, t, r, f, x)
+        })
+        .collect()
+}
+
+#[pg_extern(sql = false)]
+fn stage_e_flush_v2() -> TableIterator<
+    'static,
+    (
+        name!(cap, String),
+        name!(acquired, i64),
+        name!(throttled, i64),
+        name!(released, i64),
+        name!(foreign_releases, i64),
+        name!(released_by_exit, i64),
+    ),
+> {
+    slots::ready().unwrap_or_else(|e| raise(e));
+    let added = flush::flush(Write::Add, None, true)
+        .unwrap_or_else(|e| raise_flush(e))
+        .unwrap_or_default();
+    TableIterator::new(per_cap(added))
+}
+
+#[pg_extern(sql = false)]
+fn stage_e_pending_v2(
+    row_flush_id: default!(Option<i64>, "NULL"),
+) -> TableIterator<
+    'static,
+    (
+        name!(cap, String),
+        name!(acquired, i64),
+        name!(throttled, i64),
+        name!(released, i64),
+        name!(foreign_releases, i64),
+        name!(released_by_exit, i64),
+    ),
+> {
+    slots::attached().unwrap_or_else(|e| raise(e));
+    TableIterator::new(per_cap(flush::pending(row_flush_id)))
 }

@@ -3,17 +3,35 @@
 
 use serde::Serialize;
 
-/// The counters, in the order of every table and function that shows them: the one list in
-/// Rust. `for_each_counter!(m, rest…)` calls `m!([names…] rest…)`; [`CounterValues`] and the
-/// SQL functions' result columns (`api`) are made from it. (SQL names them in `sql/`.)
+/// The counters, in the order of every table and function that shows them, with the SQL type
+/// each is shown as: the one list in Rust. `for_each_counter!(m, rest…)` calls
+/// `m!([name: type, …] rest…)`; [`CounterValues`] and the SQL functions' result columns (`api`)
+/// are made from it. (SQL names them in `sql/`.) Times are counted in microseconds and shown
+/// as `interval`. Versions before 0.3.0 had the first [`COUNT_0_2_0`] only.
 macro_rules! for_each_counter {
     ($m:ident $(, $($rest:tt)*)?) => {
-        $m! { [acquired, throttled, released, foreign_releases, released_by_exit] $($($rest)*)? }
+        $m! {
+            [
+                acquired: i64,
+                throttled: i64,
+                released: i64,
+                foreign_releases: i64,
+                released_by_exit: i64,
+                waits: i64,
+                wait_timeouts: i64,
+                wait_time: Interval,
+                hold_time: Interval
+            ]
+            $($($rest)*)?
+        }
     };
 }
 
+/// Counters of the 0.1.0 and 0.2.0 tables and functions (the first ones of the list).
+pub const COUNT_0_2_0: usize = 5;
+
 macro_rules! counters {
-    ([$($name:ident),*]) => {
+    ([$($name:ident: $ty:tt),*]) => {
         /// How many counters there are.
         pub const COUNT: usize = [$(stringify!($name)),*].len();
 
@@ -33,6 +51,11 @@ macro_rules! counters {
             pub fn from_array(a: [u64; COUNT]) -> Self {
                 let mut it = a.into_iter();
                 CounterValues { $($name: it.next().unwrap_or_default(),)* }
+            }
+
+            /// Whether counter `i` is a time (microseconds here, `interval` in SQL).
+            pub fn is_time(i: usize) -> bool {
+                [$(stringify!($ty) == "Interval"),*][i]
             }
         }
     };
@@ -131,8 +154,14 @@ pub fn decode(text: &str) -> Option<Vec<Carried>> {
                     .collect();
                 String::from_utf8(bytes?).ok()?
             };
+            // Files of 0.1.0 and 0.2.0 have fewer counters: the later ones start at zero.
             let nums: Vec<u64> = words.map(|w| w.parse().ok()).collect::<Option<_>>()?;
-            let values = CounterValues::from_array(nums.try_into().ok()?);
+            if nums.len() < COUNT_0_2_0 || nums.len() > COUNT {
+                return None;
+            }
+            let mut a = [0u64; COUNT];
+            a[..nums.len()].copy_from_slice(&nums);
+            let values = CounterValues::from_array(a);
             Some(Carried {
                 database,
                 cap,
@@ -147,7 +176,7 @@ mod unit {
     use super::*;
 
     fn v(n: u64) -> CounterValues {
-        CounterValues::from_array([n, n + 1, n + 2, n + 3, n + 4])
+        CounterValues::from_array(std::array::from_fn(|i| n + i as u64))
     }
 
     #[test]
@@ -156,9 +185,9 @@ mod unit {
         assert_eq!(v(7).minus(v(7)), CounterValues::default());
         assert!(v(7).minus(v(7)).is_zero());
         // Monotonic counters: a delta across a wrap is still exact.
-        let before = CounterValues::from_array([u64::MAX; 5]);
-        let after = before.plus(CounterValues::from_array([3; 5]));
-        assert_eq!(after.minus(before), CounterValues::from_array([3; 5]));
+        let before = CounterValues::from_array([u64::MAX; COUNT]);
+        let after = before.plus(CounterValues::from_array([3; COUNT]));
+        assert_eq!(after.minus(before), CounterValues::from_array([3; COUNT]));
     }
 
     #[test]
@@ -187,7 +216,14 @@ mod unit {
             Some(vec![Carried {
                 database: 16384,
                 cap: "default".into(),
-                values: CounterValues::from_array([1, 2, 3, 4, 5]),
+                values: CounterValues {
+                    acquired: 1,
+                    throttled: 2,
+                    released: 3,
+                    foreign_releases: 4,
+                    released_by_exit: 5,
+                    ..Default::default()
+                },
             }])
         );
     }

@@ -63,10 +63,13 @@ pub fn raise(e: SlotError) -> ! {
             match name {
                 "n" => format!("n must be between 1 and stage_e_slots.max_slots ({max_slots})."),
                 "cap" => format!("A cap name is 1 to {MAX_NAME} bytes."),
+                "k" => "k is how many slots to take at once, between 1 and n.".into(),
+                "wait" => "wait is how long to wait for a slot: '0' does not wait.".into(),
                 _ => format!("Slots are numbered 0 to {}.", max_slots - 1),
             },
             Some(match name {
                 "cap" => "Pass a cap name, such as 'exports' or 'tenant:42'.".into(),
+                "wait" => "Pass an interval such as '0', '500 ms' or '30 s'.".into(),
                 _ => "Pass an integer.".into(),
             }),
         ),
@@ -78,6 +81,24 @@ pub fn raise(e: SlotError) -> ! {
                 "For a larger cap, raise stage_e_slots.max_slots in postgresql.conf and restart."
                     .into(),
             ),
+        ),
+        SlotError::CountOutOfRange { k, n } => report(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("k = {k} slots is out of range"),
+            format!("k must be between 1 and n ({n})."),
+            Some("Ask for at most n slots of a cap of n.".into()),
+        ),
+        SlotError::NegativeWait => report(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            "wait must not be negative".into(),
+            "wait is how long to wait for a slot: '0' does not wait.".into(),
+            Some("Pass an interval such as '0', '500 ms' or '30 s'.".into()),
+        ),
+        SlotError::NoWaiterRecord => report(
+            ERRCODE_INTERNAL_ERROR,
+            "stage_e_slots has no room to record this waiter".into(),
+            "There is a record for every backend; this is a bug in stage_e_slots.".into(),
+            None,
         ),
         SlotError::SlotOutOfRange { slot, max_slots } => report(
             ERRCODE_INVALID_PARAMETER_VALUE,

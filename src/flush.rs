@@ -117,18 +117,28 @@ fn become_flusher(cap: &Cap, me: i32, wait: bool) -> bool {
     }
 }
 
-/// One statement adding every cap's delta to its row (inserted on a cap's first flush).
+/// One statement adding every cap's delta to its row (inserted on a cap's first flush). Only
+/// the counter columns the database's table has are written (see `Extension::counter_columns`).
 fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(), FlushError> {
-    let cols = CounterValues::NAMES.join(", ");
-    let set: Vec<String> = CounterValues::NAMES
+    let n = ext.counter_columns();
+    let names = &CounterValues::NAMES[..n];
+    let cols = names.join(", ");
+    let set: Vec<String> = names
         .iter()
         .map(|c| format!("{c} = t.{c} OPERATOR(pg_catalog.+) excluded.{c}"))
         .collect();
     let schema = &ext.schema;
-    let n = CounterValues::NAMES.len();
-    let query = if ext.at_0_1_0() {
+    let id = id as i64;
+    let value = |i: usize, v: u64| -> pgrx::datum::DatumWithOid<'static> {
+        if CounterValues::is_time(i) {
+            sql::interval_us(v).into()
+        } else {
+            (v as i64).into()
+        }
+    };
+    let result = if ext.at_0_1_0() {
         let params: Vec<String> = (1..=n).map(|i| format!("${i}")).collect();
-        format!(
+        let query = format!(
             "INSERT INTO {schema}.stage_e_throttle_counter AS t (id, {cols}, flushed_at, flush_id) \
              VALUES (true, {}, pg_catalog.now(), ${}) \
              ON CONFLICT (id) DO UPDATE SET {}, flushed_at = excluded.flushed_at, \
@@ -136,14 +146,18 @@ fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(
             params.join(", "),
             n + 1,
             set.join(", ")
-        )
+        );
+        let v = deltas[0].1.to_array();
+        let mut args: Vec<pgrx::datum::DatumWithOid> = (0..n).map(|i| value(i, v[i])).collect();
+        args.push(id.into());
+        sql::write(&query, &args)
     } else {
         // ROWS FROM with one unnest per array: the multi-argument unnest shorthand only
         // exists unqualified.
         let arrays: Vec<String> = (1..=n + 1)
             .map(|i| format!("pg_catalog.unnest(${i})"))
             .collect();
-        format!(
+        let query = format!(
             "INSERT INTO {schema}.stage_e_throttle_counter AS t (cap, {cols}, flushed_at, flush_id) \
              SELECT u.*, pg_catalog.now(), ${} FROM ROWS FROM ({}) AS u (cap, {cols}) \
              ON CONFLICT (cap) DO UPDATE SET {}, flushed_at = excluded.flushed_at, \
@@ -151,21 +165,21 @@ fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(
             n + 2,
             arrays.join(", "),
             set.join(", ")
-        )
-    };
-    let id = id as i64;
-    let result = if ext.at_0_1_0() {
-        let v = deltas[0].1.to_array().map(|x| x as i64);
-        let mut args: Vec<pgrx::datum::DatumWithOid> = v.iter().map(|&x| x.into()).collect();
-        args.push(id.into());
-        sql::write(&query, &args)
-    } else {
-        let names: Vec<String> = deltas.iter().map(|(c, _)| c.clone()).collect();
-        let columns: Vec<Vec<i64>> = (0..n)
-            .map(|i| deltas.iter().map(|(_, v)| v.to_array()[i] as i64).collect())
-            .collect();
-        let mut args: Vec<pgrx::datum::DatumWithOid> = vec![names.into()];
-        args.extend(columns.into_iter().map(Into::into));
+        );
+        let caps: Vec<String> = deltas.iter().map(|(c, _)| c.clone()).collect();
+        let mut args: Vec<pgrx::datum::DatumWithOid> = vec![caps.into()];
+        for i in 0..n {
+            if CounterValues::is_time(i) {
+                let col: Vec<pgrx::prelude::Interval> = deltas
+                    .iter()
+                    .map(|(_, v)| sql::interval_us(v.to_array()[i]))
+                    .collect();
+                args.push(col.into());
+            } else {
+                let col: Vec<i64> = deltas.iter().map(|(_, v)| v.to_array()[i] as i64).collect();
+                args.push(col.into());
+            }
+        }
         args.push(id.into());
         sql::write(&query, &args)
     };
@@ -175,9 +189,16 @@ fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(
 /// Zeroes the rows (all, or `only`'s).
 fn reset(ext: &Extension, only: Option<&str>, id: u64) -> Result<(), FlushError> {
     let schema = &ext.schema;
-    let zero: Vec<String> = CounterValues::NAMES
+    let zero: Vec<String> = CounterValues::NAMES[..ext.counter_columns()]
         .iter()
-        .map(|c| format!("{c} = 0"))
+        .enumerate()
+        .map(|(i, c)| {
+            if CounterValues::is_time(i) {
+                format!("{c} = '0'::pg_catalog.interval")
+            } else {
+                format!("{c} = 0")
+            }
+        })
         .collect();
     let id = id as i64;
     let result = match only {

@@ -25,6 +25,7 @@ mod session;
 mod shmem;
 mod slots;
 mod sql;
+mod waiting;
 mod worker;
 
 use pgrx::prelude::*;

@@ -13,7 +13,7 @@
 //! callbacks children discard, and a backend that never takes a slot pays nothing.
 
 use crate::counters::FlushState;
-use crate::shmem::{CapRef, Flushed};
+use crate::shmem::{self, CapRef, Flushed, Ticket};
 use pgrx::pg_sys;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -41,6 +41,8 @@ thread_local! {
     /// generation tells a stale reference. `default` has a cell of its own (no hashing).
     static CAPS: RefCell<Option<HashMap<String, CapRef>>> = const { RefCell::new(None) };
     static DEFAULT: Cell<Option<CapRef>> = const { Cell::new(None) };
+    /// The queue this backend waits in, if it is waiting (for the exit hook).
+    static WAITING: Cell<Option<(CapRef, Ticket)>> = const { Cell::new(None) };
     static HOOKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
     static RECOVERY_DONE: Cell<bool> = const { Cell::new(false) };
     /// The flush this transaction is making: the pool, what it read, and the subtransaction
@@ -142,6 +144,28 @@ pub fn cache_cap(name: &str, cap: Option<CapRef>) {
     });
 }
 
+/// This backend's place in a cap's queue while it waits: leaving the scope (a return, or an
+/// ERROR unwinding) leaves the queue; a process exit leaves it through the exit hook.
+pub struct Queued {
+    place: (CapRef, Ticket),
+}
+
+impl Queued {
+    pub fn new(cap: CapRef, ticket: Ticket) -> Self {
+        WAITING.set(Some((cap, ticket)));
+        Queued {
+            place: (cap, ticket),
+        }
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        WAITING.set(None);
+        shmem::dequeue(self.place.0, self.place.1);
+    }
+}
+
 pub fn track(held: Held) {
     TRACKED.with_borrow_mut(|t| t.push(held));
 }
@@ -202,6 +226,11 @@ pub fn ensure_hooks() {
 
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
+    // Terminated (or the client gone, or the postmaster) while waiting: leave the queue, so
+    // the waiters behind are served.
+    if let Some((cap, ticket)) = WAITING.take() {
+        shmem::dequeue(cap, ticket);
+    }
     if tracks_any() {
         crate::slots::release_on_exit();
     }

@@ -64,6 +64,8 @@ struct Header {
     flush_requested: AtomicU32,
     /// The launcher's PGPROC, to set its latch; null when it is not running.
     launcher: AtomicPtr<pg_sys::PGPROC>,
+    max_waiters: u32,
+    _pad2: u32,
 }
 
 /// One value per counter, in `CounterValues::NAMES` order. Relaxed atomics: each is an
@@ -79,6 +81,12 @@ pub enum Counter {
     Released = 2,
     ForeignReleases = 3,
     ReleasedByExit = 4,
+    Waits = 5,
+    WaitTimeouts = 6,
+    /// Microseconds.
+    WaitTime = 7,
+    /// Microseconds.
+    HoldTime = 8,
 }
 
 impl Counters {
@@ -132,6 +140,33 @@ pub struct CapEntry {
     inflight_id: AtomicU64,
     /// Seqlock over carried/flushed/inflight: odd while the flusher updates them.
     version: AtomicU64,
+    /// Waiters (see "Waiting" below): how many, the next ticket, the ticket served now, and the
+    /// process holding it (woken by every release). Changed under the waits lock.
+    waiters: AtomicU32,
+    _pad: u32,
+    tail: AtomicU64,
+    head: AtomicU64,
+    head_proc: AtomicPtr<pg_sys::PGPROC>,
+    /// Load averages over 1, 5 and 15 minutes (f64 bits), written by the launcher only.
+    load_held: [AtomicU64; 3],
+    load_throttles: [AtomicU64; 3],
+    load_last_throttled: AtomicU64,
+    load_last_us: AtomicI64,
+}
+
+/// A backend waiting for slots of a cap, in the shared list of waiters (one per backend at
+/// most). Changed under the waits lock.
+#[repr(C)]
+struct WaiterRecord {
+    active: AtomicU32,
+    entry: AtomicU32,
+    pid: AtomicI32,
+    n: AtomicU32,
+    k: AtomicU32,
+    _pad: u32,
+    ticket: AtomicU64,
+    since: AtomicI64,
+    proc_: AtomicPtr<pg_sys::PGPROC>,
 }
 
 /// Who holds a slot through the extension. Written only by the backend whose claim set the
@@ -319,7 +354,9 @@ impl CapEntry {
     }
 
     fn idle(&self) -> bool {
-        self.flusher.load(Ordering::Acquire) == 0 && self.flush_state().pending(None).is_zero()
+        self.flusher.load(Ordering::Acquire) == 0
+            && self.waiters.load(Ordering::Acquire) == 0
+            && self.flush_state().pending(None).is_zero()
     }
 }
 
@@ -387,12 +424,15 @@ pub enum CapError {
 static SEGMENT: AtomicPtr<Header> = AtomicPtr::new(std::ptr::null_mut());
 /// The directory LWLock (looking up, creating, growing and reclaiming caps).
 static DIRECTORY_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut());
+/// The waits LWLock (joining and leaving a cap's queue of waiters).
+static WAITS_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut());
 
 static mut PREV_SHMEM_REQUEST_HOOK: pg_sys::shmem_request_hook_type = None;
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
 
 struct Layout {
     max_caps: u32,
+    max_waiters: u32,
     index_len: usize,
     pages: u32,
     top_order: u32,
@@ -404,6 +444,8 @@ impl Layout {
         let top_order = arena::order_for(max_slots);
         Layout {
             max_caps: gucs::max_caps(),
+            // SAFETY: MaxBackends is final when shared memory is requested (PG 15+).
+            max_waiters: unsafe { pg_sys::MaxBackends }.max(1) as u32,
             index_len: directory::index_len(gucs::max_caps()),
             pages: arena::pages_for(gucs::slot_memory_bytes(), top_order),
             top_order,
@@ -413,6 +455,7 @@ impl Layout {
     fn size(&self) -> usize {
         size_of::<Header>()
             + self.max_caps as usize * size_of::<CapEntry>()
+            + self.max_waiters as usize * size_of::<WaiterRecord>()
             + (self.index_len + arena::meta_words(self.pages)).next_multiple_of(2) * 4
             + self.pages as usize * arena::PAGE
     }
@@ -443,7 +486,7 @@ unsafe extern "C-unwind" fn shmem_request() {
             prev();
         }
         pg_sys::RequestAddinShmemSpace(requested_bytes());
-        pg_sys::RequestNamedLWLockTranche(LOCK_TRANCHE.as_ptr(), 1);
+        pg_sys::RequestNamedLWLockTranche(LOCK_TRANCHE.as_ptr(), 2);
     }
 }
 
@@ -465,14 +508,16 @@ unsafe extern "C-unwind" fn shmem_startup() {
         if !found {
             std::ptr::write_bytes(base as *mut u8, 0, size);
             (*base).max_caps = layout.max_caps;
+            (*base).max_waiters = layout.max_waiters;
             (*base).max_slots = gucs::max_slots();
             (*base).index_len = layout.index_len as u32;
             (*base).pages = layout.pages;
             (*base).top_order = layout.top_order;
         }
         pg_sys::LWLockRelease(lock);
-        let directory = &raw mut (*pg_sys::GetNamedLWLockTranche(LOCK_TRANCHE.as_ptr())).lock;
-        DIRECTORY_LOCK.store(directory, Ordering::Release);
+        let locks = pg_sys::GetNamedLWLockTranche(LOCK_TRANCHE.as_ptr());
+        DIRECTORY_LOCK.store(&raw mut (*locks).lock, Ordering::Release);
+        WAITS_LOCK.store(&raw mut (*locks.add(1)).lock, Ordering::Release);
         SEGMENT.store(base, Ordering::Release);
         if !found {
             segment().expect("just attached").buddy().reset();
@@ -572,6 +617,7 @@ pub fn cap_key(name: &str) -> i32 {
 struct Segment {
     header: &'static Header,
     entries: &'static [CapEntry],
+    waiters: &'static [WaiterRecord],
     index: &'static [AtomicU32],
     meta: &'static [AtomicU32],
     arena: *mut u8,
@@ -588,7 +634,8 @@ fn segment() -> Option<Segment> {
         let header = &*base;
         let caps = header.max_caps as usize;
         let entries = (base as *mut u8).add(size_of::<Header>()) as *const CapEntry;
-        let index = entries.add(caps) as *const AtomicU32;
+        let waiters = entries.add(caps) as *const WaiterRecord;
+        let index = waiters.add(header.max_waiters as usize) as *const AtomicU32;
         let meta = index.add(header.index_len as usize);
         let meta_len = arena::meta_words(header.pages);
         let words = (header.index_len as usize + meta_len).next_multiple_of(2);
@@ -596,6 +643,7 @@ fn segment() -> Option<Segment> {
         Some(Segment {
             header,
             entries: std::slice::from_raw_parts(entries, caps),
+            waiters: std::slice::from_raw_parts(waiters, header.max_waiters as usize),
             index: std::slice::from_raw_parts(index, header.index_len as usize),
             meta: std::slice::from_raw_parts(meta, meta_len),
             arena,
@@ -605,6 +653,15 @@ fn segment() -> Option<Segment> {
 
 /// Runs `f` holding the directory lock in `mode`.
 fn locked<R>(mode: pg_sys::LWLockMode::Type, f: impl FnOnce() -> R) -> R {
+    locked_by(&DIRECTORY_LOCK, mode, f)
+}
+
+/// Runs `f` holding `which` lock in `mode`.
+fn locked_by<R>(
+    which: &AtomicPtr<pg_sys::LWLock>,
+    mode: pg_sys::LWLockMode::Type,
+    f: impl FnOnce() -> R,
+) -> R {
     struct Guard(*mut pg_sys::LWLock);
     impl Drop for Guard {
         fn drop(&mut self) {
@@ -612,7 +669,7 @@ fn locked<R>(mode: pg_sys::LWLockMode::Type, f: impl FnOnce() -> R) -> R {
             unsafe { pg_sys::LWLockRelease(self.0) };
         }
     }
-    let lock = DIRECTORY_LOCK.load(Ordering::Acquire);
+    let lock = which.load(Ordering::Acquire);
     // SAFETY: the tranche's lock lives in the main LWLock array for the server's lifetime.
     unsafe { pg_sys::LWLockAcquire(lock, mode) };
     let _guard = Guard(lock);
@@ -808,6 +865,7 @@ impl Segment {
             || s & PINS != 0
             || bits.iter().any(|w| w.load(Ordering::Acquire) != 0)
             || e.flusher.load(Ordering::Acquire) != 0
+            || e.waiters.load(Ordering::Acquire) != 0
             || (!dropped && !e.flush_state().pending(None).is_zero());
         if busy {
             if s & LOCKED == 0 {
@@ -842,6 +900,11 @@ impl Segment {
         e.inflight.store(zero);
         e.inflight_id.store(0, Ordering::Relaxed);
         e.capacity.store(0, Ordering::Relaxed);
+        for a in e.load_held.iter().chain(&e.load_throttles) {
+            a.store(0, Ordering::Relaxed);
+        }
+        e.load_last_us.store(0, Ordering::Relaxed);
+        e.load_last_throttled.store(0, Ordering::Relaxed);
         e.dboid.store(0, Ordering::Release);
         // New generation, unlocked, no pins: every cached reference to the old cap now fails.
         let next = (generation(s) as u64 + 1) << 32;
@@ -1099,4 +1162,233 @@ pub fn launcher_wakeup(register: bool) -> bool {
             .store(unsafe { pg_sys::MyProc }, Ordering::Release);
     }
     seg.header.flush_requested.swap(0, Ordering::AcqRel) != 0
+}
+
+// -- Waiting ---------------------------------------------------------------------------------
+//
+// A cap's waiters form a FIFO queue of tickets: a waiter takes the next ticket (`tail`) and may
+// take slots only while its ticket is the one served (`head`), so waiters get slots in arrival
+// order and one asking for k slots at the head is not overtaken by smaller requests behind it.
+// Every release of a cap with waiters sets the latch of the process at the head
+// (`head_proc`); a head that leaves (served, timed out, cancelled, exited) hands the head to
+// the next ticket and sets its latch. Queue changes take the waits LWLock; the wake-up on the
+// release path is two atomic loads and a SetLatch.
+
+/// This backend's place in a cap's queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ticket {
+    record: u32,
+    ticket: u64,
+}
+
+/// A waiter as the waiters view shows it.
+pub struct WaiterInfo {
+    pub cap: String,
+    pub pid: i32,
+    pub n: u32,
+    pub k: u32,
+    pub since: i64,
+    pub position: u32,
+}
+
+impl Cap {
+    pub fn waiters(&self) -> u32 {
+        self.entry.waiters.load(Ordering::SeqCst)
+    }
+
+    /// Whether `t` is the ticket being served.
+    pub fn is_head(&self, t: Ticket) -> bool {
+        self.entry.head.load(Ordering::SeqCst) == t.ticket
+    }
+
+    /// Sets the latch of the waiter at the head, if any (after freeing a slot). The SeqCst
+    /// loads pair with the waiter's SeqCst increment, so a waiter that missed the freed bit is
+    /// seen here, and woken.
+    pub fn wake_head(&self) {
+        if self.entry.waiters.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let p = self.entry.head_proc.load(Ordering::SeqCst);
+        if !p.is_null() {
+            // SAFETY: a PGPROC lives for the server's lifetime; a stale one is woken in vain.
+            unsafe { pg_sys::SetLatch(&raw mut (*p).procLatch) };
+        }
+    }
+
+    /// Joins the cap's queue; None if the list of waiters is full (it has a record for every
+    /// backend, so only a bug gets None).
+    pub fn enqueue(&self, n: u32, k: u32, since: i64) -> Option<Ticket> {
+        let seg = segment()?;
+        let e = self.entry;
+        locked_by(&WAITS_LOCK, EXCLUSIVE, || {
+            let record =
+                seg.waiters
+                    .iter()
+                    .position(|w| w.active.load(Ordering::Relaxed) == 0)? as u32;
+            let w = &seg.waiters[record as usize];
+            let ticket = e.tail.fetch_add(1, Ordering::SeqCst);
+            // SAFETY: this backend's PGPROC and pid, set at start-up.
+            let (me, pid) = unsafe { (pg_sys::MyProc, pg_sys::MyProcPid) };
+            w.entry.store(self.cap.entry, Ordering::Relaxed);
+            w.pid.store(pid, Ordering::Relaxed);
+            w.n.store(n, Ordering::Relaxed);
+            w.k.store(k, Ordering::Relaxed);
+            w.ticket.store(ticket, Ordering::Relaxed);
+            w.since.store(since, Ordering::Relaxed);
+            w.proc_.store(me, Ordering::Relaxed);
+            w.active.store(1, Ordering::Release);
+            if e.waiters.fetch_add(1, Ordering::SeqCst) == 0 {
+                e.head.store(ticket, Ordering::SeqCst);
+                e.head_proc.store(me, Ordering::SeqCst);
+            }
+            Some(Ticket { record, ticket })
+        })
+    }
+}
+
+/// Leaves the queue of the cap in entry `cap.entry` (no pin needed: a cap with waiters is
+/// never reclaimed). If `t` was at the head, the next waiter gets it and is woken.
+pub fn dequeue(cap: CapRef, t: Ticket) {
+    let Some(seg) = segment() else { return };
+    let e = seg.entry(cap.entry);
+    locked_by(&WAITS_LOCK, EXCLUSIVE, || {
+        let w = &seg.waiters[t.record as usize];
+        if w.active.load(Ordering::Relaxed) == 0 || w.ticket.load(Ordering::Relaxed) != t.ticket {
+            return; // already left
+        }
+        w.active.store(0, Ordering::Release);
+        e.waiters.fetch_sub(1, Ordering::SeqCst);
+        if e.head.load(Ordering::SeqCst) != t.ticket {
+            return;
+        }
+        let next = seg
+            .waiters
+            .iter()
+            .filter(|o| {
+                o.active.load(Ordering::Relaxed) == 1
+                    && o.entry.load(Ordering::Relaxed) == cap.entry
+            })
+            .min_by_key(|o| o.ticket.load(Ordering::Relaxed));
+        match next {
+            Some(o) => {
+                let p = o.proc_.load(Ordering::Relaxed);
+                e.head
+                    .store(o.ticket.load(Ordering::Relaxed), Ordering::SeqCst);
+                e.head_proc.store(p, Ordering::SeqCst);
+                // SAFETY: as in wake_head.
+                unsafe { pg_sys::SetLatch(&raw mut (*p).procLatch) };
+            }
+            None => {
+                e.head
+                    .store(e.tail.load(Ordering::SeqCst), Ordering::SeqCst);
+                e.head_proc.store(std::ptr::null_mut(), Ordering::SeqCst);
+            }
+        }
+    });
+}
+
+/// The waiters of database `db`'s caps, in queue order per cap (`position` 1 is the head).
+pub fn waiters_of(db: u32) -> Vec<WaiterInfo> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut found: Vec<(u32, u64, WaiterInfo)> = locked_by(&WAITS_LOCK, SHARED, || {
+        seg.waiters
+            .iter()
+            .filter(|w| w.active.load(Ordering::Relaxed) == 1)
+            .filter_map(|w| {
+                let i = w.entry.load(Ordering::Relaxed);
+                let e = seg.entry(i);
+                (e.dboid.load(Ordering::Relaxed) == db).then(|| {
+                    let info = WaiterInfo {
+                        cap: e.name(),
+                        pid: w.pid.load(Ordering::Relaxed),
+                        n: w.n.load(Ordering::Relaxed),
+                        k: w.k.load(Ordering::Relaxed),
+                        since: w.since.load(Ordering::Relaxed),
+                        position: 0,
+                    };
+                    (i, w.ticket.load(Ordering::Relaxed), info)
+                })
+            })
+            .collect()
+    });
+    found.sort_by_key(|(i, t, _)| (*i, *t));
+    let mut out: Vec<WaiterInfo> = Vec::with_capacity(found.len());
+    let mut previous = None;
+    let mut position = 0;
+    for (entry, _, mut w) in found {
+        if previous != Some(entry) {
+            previous = Some(entry);
+            position = 0;
+        }
+        position += 1;
+        w.position = position;
+        out.push(w);
+    }
+    out.sort_by(|a, b| (&a.cap, a.position).cmp(&(&b.cap, b.position)));
+    out
+}
+
+// -- Load averages ---------------------------------------------------------------------------
+
+/// Averaging windows of the load figures, in seconds (as the Unix load average).
+pub const LOAD_WINDOWS: [f64; 3] = [60.0, 300.0, 900.0];
+
+/// A cap's load: slots held and throttles per minute, averaged over [`LOAD_WINDOWS`].
+pub struct Load {
+    pub cap: String,
+    pub held: [f64; 3],
+    pub throttles_per_min: [f64; 3],
+}
+
+/// Takes one load sample of every cap (the launcher, every few seconds): exponentially
+/// weighted averages, decayed by the real time since the last sample.
+pub fn sample_load(now_us: i64) {
+    for cap in caps(None) {
+        let e = cap.entry;
+        let held: u32 = cap
+            .bits()
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed).count_ones())
+            .sum();
+        let throttled = e.counters.load().throttled;
+        let last_us = e.load_last_us.swap(now_us, Ordering::Relaxed);
+        let last_throttled = e.load_last_throttled.swap(throttled, Ordering::Relaxed);
+        if last_us == 0 || now_us <= last_us {
+            // The first sample of a cap sets the baseline: the averages start from it.
+            for (h, t) in e.load_held.iter().zip(&e.load_throttles) {
+                h.store((held as f64).to_bits(), Ordering::Relaxed);
+                t.store(0f64.to_bits(), Ordering::Relaxed);
+            }
+            continue;
+        }
+        let dt = (now_us - last_us) as f64 / 1e6;
+        let rate = throttled.wrapping_sub(last_throttled) as f64 / dt * 60.0;
+        for (i, window) in LOAD_WINDOWS.iter().enumerate() {
+            let keep = (-dt / window).exp();
+            let blend = |a: &AtomicU64, x: f64| {
+                let old = f64::from_bits(a.load(Ordering::Relaxed));
+                a.store((old * keep + x * (1.0 - keep)).to_bits(), Ordering::Relaxed);
+            };
+            blend(&e.load_held[i], held as f64);
+            blend(&e.load_throttles[i], rate);
+        }
+    }
+}
+
+/// The load figures of database `db`'s caps.
+pub fn load_of(db: u32) -> Vec<Load> {
+    let read = |a: &[AtomicU64; 3]| {
+        a.each_ref()
+            .map(|x| f64::from_bits(x.load(Ordering::Relaxed)))
+    };
+    caps(Some(db))
+        .into_iter()
+        .map(|cap| Load {
+            cap: cap.name(),
+            held: read(&cap.entry.load_held),
+            throttles_per_min: read(&cap.entry.load_throttles),
+        })
+        .collect()
 }

@@ -18,6 +18,7 @@ use crate::locks::{self, Probe};
 use crate::occupancy;
 use crate::session::{self, Held};
 use crate::shmem::{self, Cap, CapError, Counter};
+use crate::waiting::{self, Wait};
 use std::collections::HashMap;
 
 #[derive(Debug, PartialEq)]
@@ -25,11 +26,29 @@ pub enum SlotError {
     NotPreloaded,
     Standby,
     ParallelMode,
-    NullArgument { name: &'static str },
-    CapOutOfRange { n: i32, max_slots: u32 },
-    SlotOutOfRange { slot: i32, max_slots: u32 },
+    NullArgument {
+        name: &'static str,
+    },
+    CapOutOfRange {
+        n: i32,
+        max_slots: u32,
+    },
+    CountOutOfRange {
+        k: i32,
+        n: u32,
+    },
+    NegativeWait,
+    /// The list of waiters had no record for this backend (a bug: it has one per backend).
+    NoWaiterRecord,
+    SlotOutOfRange {
+        slot: i32,
+        max_slots: u32,
+    },
     BadCapName(NameError),
-    Cap { cap: String, error: CapError },
+    Cap {
+        cap: String,
+        error: CapError,
+    },
 }
 
 pub enum Release {
@@ -91,6 +110,14 @@ fn check_cap(n: Option<i32>) -> Result<u32, SlotError> {
         return Err(SlotError::CapOutOfRange { n, max_slots });
     }
     Ok(n as u32)
+}
+
+fn check_count(k: Option<i32>, n: u32) -> Result<u32, SlotError> {
+    let k = k.ok_or(SlotError::NullArgument { name: "k" })?;
+    if k < 1 || k as u32 > n {
+        return Err(SlotError::CountOutOfRange { k, n });
+    }
+    Ok(k as u32)
 }
 
 fn check_slot(slot: Option<i32>) -> Result<u32, SlotError> {
@@ -157,30 +184,125 @@ fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
 /// `stage_e_try_slot(cap, n)`: the lowest free slot in `[0, n)` of the cap, now held by this
 /// session, or None (throttled, counted once).
 pub fn try_slot(cap: Option<&str>, n: Option<i32>) -> Result<Option<u32>, SlotError> {
+    Ok(try_slots(cap, n, Some(1), Wait::No)?.map(|s| s[0]))
+}
+
+/// `stage_e_try_slots(cap, n, k, wait)` (and `stage_e_try_slot` with a wait): k distinct slots
+/// of `[0, n)`, all or none; waiting up to `wait` for them, in arrival order.
+///
+/// Fairness: while a cap has waiters, a call that does not wait is throttled without looking,
+/// and a call that waits queues behind them; only the waiter at the head takes slots. So a
+/// waiter gets its slots from the very next releases, whatever the traffic of non-waiting tries.
+pub fn try_slots(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: Wait,
+) -> Result<Option<Vec<u32>>, SlotError> {
     ready()?;
     let name = check_name(cap)?;
     let n = check_cap(n)?;
+    let k = check_count(k, n)?;
     let cap = for_acquire(name, n)?;
     session::ensure_hooks();
-    if let Some(slot) = search(&cap, n) {
-        cap.counters().bump(Counter::Acquired, 1);
-        return Ok(Some(slot));
-    }
-    // Before saying "throttled": this session may have dropped one of its own slots' locks
-    // earlier in this very transaction (transaction end would clear it). Clear such slots now
-    // and look once more; a session holding no slot of this cap skips this.
-    if reconcile_cap(cap.key()) > 0 {
-        if let Some(slot) = search(&cap, n) {
-            cap.counters().bump(Counter::Acquired, 1);
-            return Ok(Some(slot));
+    if cap.waiters() == 0 {
+        let now = session::statement_start();
+        if let Some(got) = take(&cap, n, k, now) {
+            cap.counters().bump(Counter::Acquired, k as u64);
+            return Ok(Some(got));
+        }
+        // Before saying "throttled": this session may have dropped one of its own slots' locks
+        // earlier in this very transaction (transaction end would clear it). Clear such slots
+        // now and look once more; a session holding no slot of this cap skips this.
+        if reconcile_cap(cap.key()) > 0 {
+            if let Some(got) = take(&cap, n, k, now) {
+                cap.counters().bump(Counter::Acquired, k as u64);
+                return Ok(Some(got));
+            }
         }
     }
-    cap.counters().bump(Counter::Throttled, 1);
-    Ok(None)
+    let deadline = match wait {
+        Wait::No => {
+            cap.counters().bump(Counter::Throttled, 1);
+            return Ok(None);
+        }
+        Wait::For(d) => Some(std::time::Instant::now() + d),
+        Wait::Forever => None,
+    };
+    wait_in_line(cap, n, k, deadline)
 }
 
-/// Takes the lowest slot of `[0, n)` that is clear in the bitmap and free in the lock manager.
-fn search(cap: &Cap, n: u32) -> Option<u32> {
+/// Queues for `k` slots of `cap` until they are had or `deadline` passes.
+fn wait_in_line(
+    cap: Cap,
+    n: u32,
+    k: u32,
+    deadline: Option<std::time::Instant>,
+) -> Result<Option<Vec<u32>>, SlotError> {
+    let started = waiting::now();
+    let counters = cap.counters();
+    counters.bump(Counter::Waits, 1);
+    let ticket = cap
+        .enqueue(n, k, started)
+        .ok_or(SlotError::NoWaiterRecord)?;
+    let place = cap.cap;
+    drop(cap); // a waiter holds no pin while it sleeps (its cap is not reclaimed meanwhile)
+               // Leaves the queue however this ends: returning, an ERROR unwinding, or (through the exit
+               // hook) the process exiting.
+    let queued = session::Queued::new(place, ticket);
+    let waited = || (waiting::now() - started).max(0) as u64;
+    loop {
+        waiting::reset_latch();
+        let cap = shmem::pin(place).expect("a cap with waiters is never reclaimed");
+        if cap.is_head(ticket) {
+            if let Some(got) = take(&cap, n, k, waiting::now()) {
+                drop(queued); // hands the head to the next waiter, and wakes it
+                counters.bump(Counter::Acquired, k as u64);
+                counters.bump(Counter::WaitTime, waited());
+                return Ok(Some(got));
+            }
+        }
+        drop(cap);
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        if left.is_some_and(|l| l.is_zero()) {
+            drop(queued);
+            counters.bump(Counter::WaitTimeouts, 1);
+            counters.bump(Counter::Throttled, 1);
+            counters.bump(Counter::WaitTime, waited());
+            return Ok(None);
+        }
+        waiting::sleep(left.unwrap_or(waiting::RECHECK).min(waiting::RECHECK));
+    }
+}
+
+/// Takes `k` slots of `[0, n)`, all or none; `at` is their acquisition time.
+fn take(cap: &Cap, n: u32, k: u32, at: i64) -> Option<Vec<u32>> {
+    let mut got = Vec::with_capacity(k as usize);
+    while got.len() < k as usize {
+        match search(cap, n, at) {
+            Some(slot) => got.push(slot),
+            None => break,
+        }
+    }
+    if got.len() == k as usize {
+        return Some(got);
+    }
+    // Not all of them: give back the ones taken, as if never taken (nothing is counted).
+    let key = cap.key();
+    for slot in got {
+        locks::unlock(key, slot);
+        forget(Held {
+            cap: cap.cap,
+            key,
+            slot,
+        });
+    }
+    None
+}
+
+/// Takes the lowest slot of `[0, n)` that is clear in the bitmap and free in the lock manager;
+/// `at` is recorded as its acquisition time.
+fn search(cap: &Cap, n: u32, at: i64) -> Option<u32> {
     let key = cap.key();
     let bits = cap.bits();
     let mut from = 0;
@@ -188,8 +310,7 @@ fn search(cap: &Cap, n: u32) -> Option<u32> {
         let slot = claim.slot();
         match locks::try_lock(key, slot) {
             Probe::Acquired => {
-                cap.record(slot)
-                    .set(session::pid(), session::statement_start());
+                cap.record(slot).set(session::pid(), at);
                 session::track(Held {
                     cap: cap.cap,
                     key,
@@ -210,13 +331,26 @@ fn search(cap: &Cap, n: u32) -> Option<u32> {
     None
 }
 
-/// Drops the extension's bookkeeping for a slot this backend tracked.
-fn forget(held: Held) {
+/// Drops the extension's bookkeeping for a slot this backend tracked, and wakes the cap's
+/// first waiter. Returns when the slot was acquired.
+fn forget(held: Held) -> Option<i64> {
+    let mut acquired_at = None;
     if let Some(cap) = shmem::pin(held.cap) {
-        cap.record(held.slot).clear();
+        let record = cap.record(held.slot);
+        acquired_at = Some(record.get().1);
+        record.clear();
         occupancy::clear(cap.bits(), held.slot);
+        cap.wake_head();
     }
     session::untrack(held);
+    acquired_at
+}
+
+/// Forgets a slot given back at `now`, counting how long it was held.
+fn forget_released(held: Held, now: i64) {
+    if let Some(at) = forget(held).filter(|&at| at != 0) {
+        bump(held, Counter::HoldTime, (now - at).max(0) as u64);
+    }
 }
 
 fn bump(held: Held, which: Counter, by: u64) {
@@ -244,7 +378,7 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     let tracked = session::tracked_slot(key, slot);
     if (tracked.is_some() || locks::held_by_me(key, slot)) && locks::unlock(key, slot) {
         if let Some(held) = tracked {
-            forget(held);
+            forget_released(held, session::statement_start());
         }
         count(Counter::Released);
         return Ok(Release::Released);
@@ -271,7 +405,7 @@ pub fn release_all(cap: Option<Option<&str>>) -> Result<u32, SlotError> {
         if locks::held_by_me(held.key, held.slot) {
             locks::unlock(held.key, held.slot);
             bump(held, Counter::Released, 1);
-            forget(held);
+            forget_released(held, session::statement_start());
             released += 1;
         } else {
             lost(held);
@@ -299,7 +433,7 @@ pub fn holding(cap: Option<&str>, slot: Option<i32>) -> Result<bool, SlotError> 
 fn lost(held: Held) {
     let name = shmem::pin(held.cap).map(|c| c.name()).unwrap_or_default();
     bump(held, Counter::Released, 1);
-    forget(held);
+    forget_released(held, session::statement_start());
     pgrx::log!(
         "stage_e_slots: slot {} of cap \"{name}\" of pid {} was released outside stage_e_release \
          (DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again",
@@ -329,6 +463,7 @@ fn reconcile_cap(key: i32) -> usize {
 /// count them, and log the incident's signature.
 pub fn release_on_exit() {
     let mut released: Vec<(String, Vec<u32>)> = Vec::new();
+    let now = waiting::now();
     for held in session::tracked(None) {
         if locks::held_by_me(held.key, held.slot) {
             locks::unlock(held.key, held.slot);
@@ -339,7 +474,7 @@ pub fn release_on_exit() {
             }
             bump(held, Counter::ReleasedByExit, 1);
         }
-        forget(held);
+        forget_released(held, now);
     }
     if released.is_empty() {
         return;
@@ -417,5 +552,19 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
         })
         .collect();
     out.sort_by(|a, b| (&a.cap, a.slot).cmp(&(&b.cap, b.slot)));
+    Ok(out)
+}
+
+/// `stage_e_slot_waiters`: sessions waiting for slots in the current database.
+pub fn waiters() -> Result<Vec<shmem::WaiterInfo>, SlotError> {
+    attached()?;
+    Ok(shmem::waiters_of(session::database().to_u32()))
+}
+
+/// `stage_e_cap_load`: the load averages of the current database's caps.
+pub fn load() -> Result<Vec<shmem::Load>, SlotError> {
+    attached()?;
+    let mut out = shmem::load_of(session::database().to_u32());
+    out.sort_by(|a, b| a.cap.cmp(&b.cap));
     Ok(out)
 }

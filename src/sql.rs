@@ -87,6 +87,15 @@ impl Extension {
     pub fn at_0_1_0(&self) -> bool {
         self.version == "0.1.0"
     }
+
+    /// The counter columns its table has: the first five before 0.3.0 (the wait and hold
+    /// counters came with 0.3.0), all of them since.
+    pub fn counter_columns(&self) -> usize {
+        match self.version.as_str() {
+            "0.1.0" | "0.2.0" => crate::counters::COUNT_0_2_0,
+            _ => crate::counters::COUNT,
+        }
+    }
 }
 
 /// The extension in the current database, or None when it is not installed here.
@@ -134,4 +143,11 @@ unsafe fn owned(p: *const std::ffi::c_char) -> String {
         // SAFETY: per the caller.
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
+}
+
+/// A time counted in microseconds, as the `interval` SQL shows.
+pub fn interval_us(us: u64) -> pgrx::prelude::Interval {
+    let us = us.min(i64::MAX as u64) as i64;
+    pgrx::prelude::Interval::new(0, 0, us)
+        .unwrap_or_else(|_| pgrx::prelude::Interval::from_micros(0))
 }

@@ -15,6 +15,7 @@ use crate::gucs;
 use crate::session;
 use crate::shmem;
 use crate::sql;
+use crate::waiting;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
@@ -23,6 +24,8 @@ const LIBRARY: &str = "stage_e_slots";
 /// A flusher waits at most this long for a lock on the counter row before giving up until
 /// the next interval, so a locked table cannot stall the other databases' flushes.
 const FLUSH_LOCK_TIMEOUT: &std::ffi::CStr = c"1s";
+/// How often the launcher samples the caps' load (held slots, throttles) at most.
+const LOAD_SAMPLE: Duration = Duration::from_secs(5);
 
 /// Registers the launcher; called from `_PG_init` while preloading.
 pub fn register() {
@@ -46,15 +49,25 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         gucs::flush_interval().as_millis()
     );
     let mut last_round = Instant::now();
+    let mut last_sample: Option<Instant> = None;
     let mut first = true;
     shmem::launcher_wakeup(true);
     loop {
-        let due = last_round + gucs::flush_interval();
+        let interval = gucs::flush_interval();
+        // Load samples every 5 s (or every flush interval, if shorter).
+        let sample_every = interval.min(LOAD_SAMPLE);
         let now = Instant::now();
+        if last_sample.is_none_or(|t| now >= t + sample_every) {
+            shmem::sample_load(waiting::now());
+            last_sample = Some(now);
+        }
+        let due = last_round + interval;
         // A backend that found the caps crowded asks for a round now (shmem::request_flush).
         let asked = shmem::launcher_wakeup(false);
         if !first && !asked && now < due {
-            if !BackgroundWorker::wait_latch(Some(due - now)) {
+            let next_sample = last_sample.map_or(now, |t| t + sample_every);
+            let wake = due.min(next_sample).max(now);
+            if !BackgroundWorker::wait_latch(Some(wake - now)) {
                 break;
             }
             if BackgroundWorker::sighup_received() {

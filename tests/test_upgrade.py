@@ -1,6 +1,9 @@
 """ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, with data and holders, against the 0.2.0
 library; and the updated schema against a fresh install's."""
 
+import tomllib
+from pathlib import Path
+
 import pytest
 
 from conftest import KEY, one, slot_lock_holders
@@ -53,6 +56,10 @@ ORDER BY 1
 """
 
 
+CURRENT = tomllib.loads((Path(__file__).resolve().parent.parent / "Cargo.toml").read_text())[
+    "package"]["version"]
+
+
 @pytest.fixture(scope="module")
 def uc():
     c = Cluster("upgrade", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
@@ -90,7 +97,7 @@ def test_a_0_1_0_database_is_served_then_updated_with_its_counts_and_holders(uc)
 
         observer.execute("ALTER EXTENSION stage_e_slots UPDATE")
         assert one(observer, "SELECT extversion FROM pg_extension "
-                             "WHERE extname = 'stage_e_slots'") == "0.2.0"
+                             "WHERE extname = 'stage_e_slots'") == CURRENT
         # The holder kept its slot: the same lock, seen by the lock manager and by itself.
         assert slot_lock_holders(observer) == [(0, holder.info.backend_pid)]
         assert one(holder, "SELECT stage_e_holding(0)") is True
@@ -111,7 +118,7 @@ def test_a_0_1_0_database_is_served_then_updated_with_its_counts_and_holders(uc)
         assert rows == [("default", 1, 1, 3), ("exports", 1, 1, 0)]
         assert observer.execute("SELECT cap, slot, pid FROM stage_e_slot_holders").fetchall() == [
             ("default", 0, holder.info.backend_pid), ("exports", 0, other.info.backend_pid)]
-        flushed = observer.execute("SELECT * FROM stage_e_flush() ORDER BY cap").fetchall()
+        flushed = observer.execute("SELECT cap, acquired, throttled, released, foreign_releases, released_by_exit FROM stage_e_flush() ORDER BY cap").fetchall()
         assert flushed == [("default", 0, 2, 0, 1, 0), ("exports", 1, 0, 0, 0, 0)]
         assert observer.execute("SELECT cap, acquired, throttled FROM stage_e_throttle_counter "
                                 "ORDER BY cap").fetchall() == [("default", 1, 3), ("exports", 1, 0)]

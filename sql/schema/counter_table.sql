@@ -1,5 +1,6 @@
 -- The durable counters: one row per cap of this database, inserted by the cap's first flush
 -- and added to once per flush interval (one statement per database, whatever the rate).
+-- The wait and hold counters (0.3.0) come after flush_id, where the update from 0.2.0 adds them.
 -- Every statement of the extension names this table with its schema (see src/sql.rs).
 CREATE TABLE stage_e_throttle_counter (
     cap              text PRIMARY KEY
@@ -10,7 +11,11 @@ CREATE TABLE stage_e_throttle_counter (
     foreign_releases bigint NOT NULL DEFAULT 0,
     released_by_exit bigint NOT NULL DEFAULT 0,
     flushed_at       timestamptz,
-    flush_id         bigint NOT NULL DEFAULT 0
+    flush_id         bigint NOT NULL DEFAULT 0,
+    waits            bigint NOT NULL DEFAULT 0,
+    wait_timeouts    bigint NOT NULL DEFAULT 0,
+    wait_time        interval NOT NULL DEFAULT '0',
+    hold_time        interval NOT NULL DEFAULT '0'
 );
 COMMENT ON TABLE stage_e_throttle_counter IS
   'Durable stage_e_slots counters of this database: one row per cap, written by its first flush and added to once per flush interval. Rows of caps no longer used may be deleted.';

@@ -14,7 +14,12 @@ SELECT COALESCE(c.cap, p.cap) AS cap,
        COALESCE(c.released_by_exit, 0) OPERATOR(pg_catalog.+) COALESCE(p.released_by_exit, 0)
          AS released_by_exit,
        COALESCE(p.throttled, 0) AS pending_throttled,
-       c.flushed_at
+       c.flushed_at,
+       COALESCE(c.waits, 0) OPERATOR(pg_catalog.+) COALESCE(p.waits, 0) AS waits,
+       COALESCE(c.wait_timeouts, 0) OPERATOR(pg_catalog.+) COALESCE(p.wait_timeouts, 0)
+         AS wait_timeouts,
+       COALESCE(c.wait_time, '0') OPERATOR(pg_catalog.+) COALESCE(p.wait_time, '0') AS wait_time,
+       COALESCE(c.hold_time, '0') OPERATOR(pg_catalog.+) COALESCE(p.hold_time, '0') AS hold_time
   FROM @extschema@.stage_e_throttle_counter AS c
   FULL JOIN @extschema@.stage_e_pending(
               (SELECT pg_catalog.max(r.flush_id) FROM @extschema@.stage_e_throttle_counter AS r)
@@ -39,3 +44,35 @@ SELECT h.cap,
 COMMENT ON VIEW stage_e_slot_holders IS
   'One row per held slot of each cap in the current database, from the lock manager, with the holder''s session.';
 GRANT SELECT ON stage_e_slot_holders TO PUBLIC;
+
+-- Sessions waiting for slots, in queue order per cap (position 1 is next), with their session.
+CREATE VIEW stage_e_slot_waiters AS
+SELECT w.cap,
+       w.pid,
+       w.n,
+       w.k,
+       w.waiting_since,
+       w.position,
+       pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) w.waiting_since AS waiting_for,
+       a.application_name,
+       a.client_addr,
+       a.wait_event_type,
+       a.wait_event
+  FROM @extschema@.stage_e_slot_waiters_internal() AS w
+  LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid OPERATOR(pg_catalog.=) w.pid
+ ORDER BY w.cap, w.position;
+COMMENT ON VIEW stage_e_slot_waiters IS
+  'One row per session waiting for slots of a cap in the current database, in queue order.';
+GRANT SELECT ON stage_e_slot_waiters TO PUBLIC;
+
+-- The load of each cap, to tune n against: slots held and throttles per minute, averaged over
+-- 1, 5 and 15 minutes (the background worker samples every 5 seconds).
+CREATE VIEW stage_e_cap_load AS
+SELECT l.cap,
+       l.held_1m, l.held_5m, l.held_15m,
+       l.throttled_per_min_1m, l.throttled_per_min_5m, l.throttled_per_min_15m
+  FROM @extschema@.stage_e_cap_load_internal() AS l
+ ORDER BY l.cap;
+COMMENT ON VIEW stage_e_cap_load IS
+  'Per cap: slots held and throttles per minute, averaged over 1, 5 and 15 minutes.';
+GRANT SELECT ON stage_e_cap_load TO PUBLIC;
