@@ -16,9 +16,23 @@ DROP FUNCTION @extschema@.stage_e_pending(bigint);
 
 -- The counter table: from one row to one row per cap, the 0.1.0 row becoming 'default'.
 ALTER TABLE @extschema@.stage_e_throttle_counter RENAME TO stage_e_throttle_counter_0_1_0;
-ALTER INDEX @extschema@.stage_e_throttle_counter_pkey RENAME TO stage_e_throttle_counter_0_1_0_pkey;
-ALTER TABLE @extschema@.stage_e_throttle_counter_0_1_0
-  RENAME CONSTRAINT stage_e_throttle_counter_id_check TO stage_e_throttle_counter_0_1_0_id_check;
+-- Its constraints (the primary key with its index, the check, and on PostgreSQL 18 the NOT NULL
+-- constraints, which have names there too) step aside, so the new table's get the same names
+-- as in a fresh install.
+DO $$
+DECLARE
+  c record;
+BEGIN
+  FOR c IN SELECT k.conname FROM pg_catalog.pg_constraint AS k
+            WHERE k.conrelid OPERATOR(pg_catalog.=)
+                  '@extschema@.stage_e_throttle_counter_0_1_0'::pg_catalog.regclass
+  LOOP
+    EXECUTE pg_catalog.format(
+      'ALTER TABLE @extschema@.stage_e_throttle_counter_0_1_0 RENAME CONSTRAINT %I TO %I',
+      c.conname, c.conname OPERATOR(pg_catalog.||) '_0_1_0');
+  END LOOP;
+END
+$$;
 
 CREATE TABLE @extschema@.stage_e_throttle_counter (
     cap              text PRIMARY KEY
