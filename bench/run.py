@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import re
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -150,6 +152,10 @@ def bench_throttled(cluster: Cluster) -> dict:
         still = c.execute("SELECT sum(held) FROM stage_e_stats()").fetchone()[0]
     assert still == BIG_N + CAPS * 8, still
     holder.close()
+    # Its exit releases some 24,000 locks: wait for that before the next benchmark.
+    with cluster.connect("bench") as c:
+        while c.execute("SELECT count(*) FROM stage_e_slot_holders").fetchone()[0]:
+            time.sleep(0.05)
     return result
 
 
@@ -162,6 +168,83 @@ def bench_inserver(cluster: Cluster, iters: int = 200_000) -> dict:
             "stage_e_slots": run("SELECT inserver_stage_e(%s)", iters),
             "SQL advisory-lock functions": run("SELECT inserver_raw(%s, %s)", KEY, iters),
         })
+
+
+def bench_waiting(cluster: Cluster) -> dict:
+    """Waiting: the hand-off rate of a saturated cap against the uncontended pair; how fair
+    the queue is under saturation; what idle waiters cost."""
+    clients = 32
+    print(f"  hand-off: {clients} clients, n = 4 with wait, against n = 32 (no contention)",
+          flush=True)
+    handoff = rounds({
+        "wait n=4": lambda: pgbench(cluster, "pair_wait.sql", clients, n=4),
+        "no contention n=32": lambda: pgbench(cluster, "pair_stage_e_named.sql", clients, n=32),
+    })
+    print("  fairness: 32 waiters on n = 4, each holding its slot 2 ms", flush=True)
+    waits: list[float] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        with cluster.connect("bench", application_name=f"fair-{i}") as c:
+            for _ in range(25):
+                t0 = time.monotonic()
+                slot = c.execute("SELECT stage_e_try_slot('fair', 4, '60 s')").fetchone()[0]
+                with lock:
+                    waits.append(time.monotonic() - t0)
+                time.sleep(0.002)
+                c.execute("SELECT stage_e_release('fair', %s)", (slot,))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    mean = statistics.mean(waits)
+    print("  idle waiters: 64 sessions waiting 10 s, their CPU time measured", flush=True)
+    idle = idle_waiter_cpu(cluster, 64, 10.0)
+    return {"handoff_tps": handoff, "fair_mean_ms": mean * 1e3,
+            "fair_max_ms": max(waits) * 1e3, "fair_calls": len(waits), "idle_cpu": idle}
+
+
+def idle_waiter_cpu(cluster: Cluster, count: int, seconds: float) -> float:
+    """The fraction of one core `count` waiting backends use while nothing frees."""
+    holder = cluster.connect("bench", application_name="idle-holder")
+    holder.execute("SELECT stage_e_try_slot('idle', 1)")
+    conns = [cluster.connect("bench", application_name=f"idle-{i}") for i in range(count)]
+    pids = [c.info.backend_pid for c in conns]
+    def wait_in(c) -> None:
+        try:
+            c.execute(f"SELECT stage_e_try_slot('idle', 1, '{seconds + 30} s')")
+        except Exception:  # noqa: BLE001 - cancelled below, once measured
+            pass
+
+    threads = [threading.Thread(target=wait_in, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while holder.execute("SELECT count(*) FROM stage_e_slot_waiters").fetchone()[0] < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the waiters did not queue")
+        time.sleep(0.05)
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu() -> float:
+        total = 0
+        for pid in pids:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+        return total / tick
+
+    before, t0 = cpu(), time.monotonic()
+    time.sleep(seconds)
+    used, elapsed = cpu() - before, time.monotonic() - t0
+    holder.execute("SELECT pg_cancel_backend(p) FROM unnest(%s::int[]) AS p", (pids,))
+    holder.close()
+    for t in threads:
+        t.join()
+    for c in conns:
+        c.close()
+    return used / elapsed
 
 
 def shmem_bytes(cluster: Cluster) -> dict:
@@ -219,6 +302,16 @@ def targets(r: dict) -> list[tuple[str, float, str, bool]]:
         else:
             ok = ratio <= 1.5
         out.append((name, ratio, want, ok))
+    w = r["waiting"]
+    out.append(("hand-off: 32 clients, n=4 with wait, vs no contention (n=32)",
+                w["handoff_tps"]["wait n=4"] / w["handoff_tps"]["no contention n=32"],
+                ">= 0.5x", w["handoff_tps"]["wait n=4"] / w["handoff_tps"]["no contention n=32"]
+                >= 0.5))
+    out.append(("fairness: 32 waiters on n=4, longest wait vs mean wait",
+                w["fair_max_ms"] / w["fair_mean_ms"], "<= 3x",
+                w["fair_max_ms"] / w["fair_mean_ms"] <= 3))
+    out.append(("CPU of 64 idle waiters (share of one core)", w["idle_cpu"] * 100, "< 2 %",
+                w["idle_cpu"] < 0.02))
     m = r["memory"]
     out.append(("shared memory per live cap (n = 8): entry + one 256 B block",
                 m["per_live_cap_n8"], "<= 1024 B", m["per_live_cap_n8"] <= 1024))
@@ -244,7 +337,7 @@ def report(r: dict) -> str:
         lines.append(f"| {name} | {ns:,.0f} |")
     lines += ["", "| target | measured | wanted | |", "| --- | ---: | ---: | --- |"]
     for name, v, want, ok in targets(r):
-        unit = " B" if want.endswith("B") else "x"
+        unit = " B" if want.endswith("B") else " %" if want.endswith("%") else "x"
         lines.append(f"| {name} | {v:.2f}{unit} | {want} | {'PASS' if ok else 'FAIL'} |")
     m = r["memory"]
     lines += ["", f"Shared memory at the defaults: {m['default_total'] / 1e6:.2f} MB in all; "
@@ -296,6 +389,7 @@ def main() -> int:
         r["pairs"] = bench_pairs(cluster)
         r["throttled"] = bench_throttled(cluster)
         r["inserver_ns"] = bench_inserver(cluster)
+        r["waiting"] = bench_waiting(cluster)
         cluster.settings.update({"stage_e_slots.max_slots": None})
         r["memory"] = memory_per_cap_and_slot(cluster)
     finally:

@@ -183,7 +183,7 @@ mod tests {
         );
         assert_eq!(
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(16)
+            Some(21)
         );
     }
 }

@@ -287,11 +287,14 @@ fn take(cap: &Cap, n: u32, k: u32, at: i64) -> Option<Vec<u32>> {
     if got.len() == k as usize {
         return Some(got);
     }
-    // Not all of them: give back the ones taken, as if never taken (nothing is counted).
+    // Not all of them: give back the ones taken, as if never taken (nothing is counted, and
+    // nobody is woken: only the head of a queue takes slots, and that may be this very call).
     let key = cap.key();
     for slot in got {
         locks::unlock(key, slot);
-        forget(Held {
+        cap.record(slot).clear();
+        occupancy::clear(cap.bits(), slot);
+        session::untrack(Held {
             cap: cap.cap,
             key,
             slot,

@@ -73,6 +73,9 @@ def not_preloaded():
     "SELECT * FROM stage_e_flush()", "SELECT stage_e_reset_stats()",
     "SELECT * FROM stage_e_pending()", "SELECT stage_e_snapshot()",
     "SELECT * FROM stage_e_throttle_totals",
+    "SELECT stage_e_try_slot(8, '1 s')", "SELECT stage_e_try_slots('c', 8, 2)",
+    "SELECT * FROM stage_e_slot_waiters", "SELECT * FROM stage_e_cap_load",
+    "SELECT stage_e_cap_key('c')",
 ])
 def test_not_preloaded_every_function_errors_with_a_hint(not_preloaded, call):
     with not_preloaded.connect() as c:

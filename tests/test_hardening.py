@@ -160,6 +160,10 @@ READ_AND_WRITE_CALLS = [
     "SELECT * FROM public.stage_e_stats()",
     "SELECT * FROM public.stage_e_throttle_totals",
     "SELECT * FROM public.stage_e_slot_holders",
+    "SELECT * FROM public.stage_e_slot_waiters",
+    "SELECT * FROM public.stage_e_cap_load",
+    "SELECT public.stage_e_try_slot(1, '10 ms')",
+    "SELECT public.stage_e_try_slots('k', 2, 2, '10 ms')",
     "SELECT public.stage_e_holding(0)",
     "SELECT public.stage_e_release(0)",
     "SELECT public.stage_e_release(3)",
@@ -319,6 +323,8 @@ READS = [
     "SELECT * FROM stage_e_throttle_totals",
     "SELECT * FROM stage_e_slot_holders",
     "SELECT * FROM stage_e_throttle_counter",
+    "SELECT * FROM stage_e_slot_waiters",
+    "SELECT * FROM stage_e_cap_load",
 ]
 
 

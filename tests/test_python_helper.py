@@ -317,3 +317,39 @@ def test_a_slot_taken_by_a_call_that_then_failed_is_given_back(dsn, connect, mon
         assert sc._conn.info.backend_pid == backend
     assert slot_lock_holders(observer) == []
     sc.close()
+
+
+def test_wait_is_woken_by_a_release_and_times_out_as_throttled(dsn, connect):
+    from datetime import timedelta
+
+    blocker, observer = connect("blocker"), connect("observer")
+    assert one(blocker, "SELECT stage_e_try_slot('w', 1)") == 0
+    got = []
+    t = threading.Thread(target=lambda: got.append(SlotConnection(dsn).try_slot(
+        1, cap="w", wait=30)))
+    t.start()
+    wait_for(lambda: one(observer, "SELECT count(*) FROM stage_e_slot_waiters") == 1,
+             what="the helper to wait")
+    assert one(blocker, "SELECT stage_e_release('w', 0)") is True
+    t.join(10)
+    assert got == [0]
+    sc = SlotConnection(dsn)
+    assert one(blocker, "SELECT stage_e_try_slot('w2', 1)") == 0
+    with sc.slot(1, cap="w2", wait=timedelta(milliseconds=200)) as slot:
+        assert slot is None
+    assert stats(observer, "w2")["wait_timeouts"] == 1
+    with pytest.raises(ValueError):
+        sc.try_slot(1, cap="w2", wait=-1)
+    sc.close()
+
+
+def test_k_slots_at_once_are_a_list_and_all_released(dsn, connect):
+    observer = connect("observer")
+    with stage_e_slot(dsn, "multi", n=4, k=3) as slots:
+        assert slots == [0, 1, 2]
+        assert len(observer.execute("SELECT * FROM stage_e_slot_holders WHERE cap = 'multi'"
+                                    ).fetchall()) == 3
+        with stage_e_slot(dsn, "multi", n=4, k=2) as more:
+            assert more is None  # only one left: all or nothing
+    assert observer.execute("SELECT * FROM stage_e_slot_holders").fetchall() == []
+    assert stats(observer, "multi")["released"] == 3

@@ -190,3 +190,47 @@ def test_a_leftover_max_databases_setting_only_warns():
 def one_sql(c, q):
     c.sql("CREATE EXTENSION IF NOT EXISTS stage_e_slots")
     return c.sql(q)[0][0]
+
+
+def test_a_0_2_0_database_is_served_then_updated_with_its_counts(uc):
+    uc.create_database("v020", extension=False)
+    uc.sql("CREATE EXTENSION stage_e_slots VERSION '0.2.0'", dbname="v020")
+    with uc.connect("v020", "holder") as holder, uc.connect("v020", "other") as other, \
+            uc.connect("v020", "observer") as observer:
+        # The library serves 0.2.0's SQL, with 0.2.0's five counters.
+        assert one(holder, "SELECT stage_e_try_slot('exports', 1)") == 0
+        assert one(other, "SELECT stage_e_try_slot('exports', 1)") is None
+        assert observer.execute("SELECT * FROM stage_e_stats()").fetchall() == [
+            ("exports", 1024, 1, 1, 1, 0, 0, 0)]
+        assert observer.execute("SELECT * FROM stage_e_flush()").fetchall() == [
+            ("exports", 1, 1, 0, 0, 0)]
+        assert one(other, "SELECT stage_e_try_slot('exports', 1)") is None  # pending
+        assert observer.execute("SELECT * FROM stage_e_pending()").fetchall() == [
+            ("exports", 0, 1, 0, 0, 0)]
+        assert observer.execute("SELECT cap, throttled, pending_throttled "
+                                "FROM stage_e_throttle_totals").fetchall() == [("exports", 2, 1)]
+        snap = one(observer, "SELECT stage_e_snapshot()")
+        assert snap["caps"][0]["totals"]["throttled"] == 2
+
+        observer.execute("ALTER EXTENSION stage_e_slots UPDATE")
+        assert one(observer, "SELECT extversion FROM pg_extension "
+                             "WHERE extname = 'stage_e_slots'") == CURRENT
+        assert one(holder, "SELECT stage_e_holding('exports', 0)") is True
+        row = observer.execute("SELECT cap, acquired, throttled, waits, wait_time, hold_time "
+                               "FROM stage_e_throttle_counter").fetchall()
+        assert [r[:4] for r in row] == [("exports", 1, 1, 0)]
+        assert row[0][4].total_seconds() == 0 and row[0][5].total_seconds() == 0
+        assert observer.execute("SELECT cap, throttled, pending_throttled "
+                                "FROM stage_e_throttle_totals").fetchall() == [("exports", 2, 1)]
+        # 0.3.0 behaviour: waiting, and the wait and hold counters.
+        assert one(other, "SELECT stage_e_try_slot('exports', 1, '50 ms')") is None
+        assert one(holder, "SELECT stage_e_release('exports', 0)") is True
+        assert one(other, "SELECT stage_e_try_slot('exports', 1, '1 s')") == 0
+        s = observer.execute("SELECT waits, wait_timeouts FROM stage_e_stats()").fetchall()
+        assert s == [(1, 1)]
+        observer.execute("SELECT stage_e_flush()")
+        assert observer.execute("SELECT waits, wait_timeouts, hold_time > '0' "
+                                "FROM stage_e_throttle_counter").fetchall() == [(1, 1, True)]
+        assert one(other, "SELECT stage_e_release_all()") == 1
+    uc.create_database("fresh3")
+    assert describe(uc, "v020") == describe(uc, "fresh3")

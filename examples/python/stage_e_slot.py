@@ -21,6 +21,17 @@ Each cap has a name and its own slots: ``stage_e_slot(DSN, "exports", n=4)`` tak
     with stage_e_slot(DSN, n=8) as slot:   # the cap named "default"
         ...
 
+    with stage_e_slot(DSN, "exports", n=4, wait=30) as slot:   # wait up to 30 s for a slot
+        ...
+
+    with stage_e_slot(DSN, "exports", n=8, k=3) as slots:      # three slots at once, a list
+        ...
+
+A waiting call is woken as soon as a slot frees, and waiters are served in arrival order
+(a big request at the head is not overtaken by small ones); ``wait`` is seconds or a
+``timedelta``; a call that times out is throttled (None). Waiting needs the extension at
+0.3.0 or later in the database.
+
 The slots of every cap this thread holds live on its one connection, so regions of different
 caps nest freely. ``connection_for(DSN)`` is that connection's ``SlotConnection``: its
 ``try_slot``, ``release``, ``holding`` and ``slot`` take the cap as the keyword ``cap``
@@ -53,7 +64,8 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from datetime import timedelta
+from typing import Any, Union
 
 import psycopg
 
@@ -66,6 +78,16 @@ def _value(conn: psycopg.Connection, query: str, params: tuple[object, ...]) -> 
     """The one value of a one-row SELECT."""
     row = conn.execute(query, params).fetchone()
     return row[0] if row is not None else None
+
+
+Wait = Union[float, int, timedelta]
+
+
+def _as_timedelta(wait: Wait) -> timedelta:
+    delay = wait if isinstance(wait, timedelta) else timedelta(seconds=wait)
+    if delay < timedelta(0):
+        raise ValueError(f"wait must not be negative: {wait!r}")
+    return delay
 
 
 def _check_cap(cap: str) -> None:
@@ -120,9 +142,24 @@ class SlotConnection:
         return (conn.broken or conn.closed or not sqlstate
                 or sqlstate.startswith(("08", "57P")))
 
-    def try_slot(self, n: int, *, cap: str = DEFAULT_CAP) -> int | None:
-        """A slot of `cap` (in [0, n)), or None when throttled or when no slot can be had."""
+    def try_slot(self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0) -> int | None:
+        """A slot of `cap` (in [0, n)), waiting up to `wait` (seconds or a timedelta) for one;
+        None when throttled or when no slot can be had."""
+        got = self.try_slots(n, 1, cap=cap, wait=wait)
+        return None if got is None else got[0]
+
+    def try_slots(self, n: int, k: int, *, cap: str = DEFAULT_CAP,
+                  wait: Wait = 0) -> list[int] | None:
+        """k distinct slots of `cap` (in [0, n)), all or none, waiting up to `wait` for them
+        (in arrival order with the cap's other waiters); None when they could not all be had."""
         _check_cap(cap)
+        delay = _as_timedelta(wait)
+        if k == 1 and not delay:
+            query, params = "SELECT ARRAY[stage_e_try_slot(%s, %s)]", (cap, n)
+        elif k == 1:
+            query, params = "SELECT ARRAY[stage_e_try_slot(%s, %s, %s)]", (cap, n, delay)
+        else:
+            query, params = "SELECT stage_e_try_slots(%s, %s, %s, %s)", (cap, n, k, delay)
         try:
             conn = self._connection()
         except psycopg.OperationalError as e:
@@ -130,7 +167,7 @@ class SlotConnection:
                         "database: %s", cap, e)
             return None
         try:
-            slot = _value(conn, "SELECT stage_e_try_slot(%s, %s)", (cap, n))
+            got = _value(conn, query, params)
         except psycopg.OperationalError as e:
             if self._connection_lost(conn, e):
                 log.warning("stage_e_slot: treating as throttled (cap %r), cannot reach the "
@@ -145,10 +182,11 @@ class SlotConnection:
                           "the slot: %s", cap, e)
                 self._release_unknown(conn, cap)
             return None
-        if slot is None:
+        if got is None or got[0] is None:
             return None
-        self._held.setdefault(cap, set()).add(int(slot))
-        return int(slot)
+        slots = [int(s) for s in got]
+        self._held.setdefault(cap, set()).update(slots)
+        return slots
 
     def _release_unknown(self, conn: psycopg.Connection, cap: str) -> None:
         """Releases this session's slots of `cap` that no region of ours holds."""
@@ -212,14 +250,15 @@ class SlotConnection:
             return False
 
     @contextmanager
-    def slot(self, n: int, *, cap: str = DEFAULT_CAP) -> Iterator[int | None]:
-        """Yields a held slot of `cap` (released on exit, whatever happens) or None when
-        throttled."""
-        slot = self.try_slot(n, cap=cap)
+    def slot(self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0,
+             k: int = 1) -> Iterator[Any]:
+        """Yields a held slot of `cap` (with k > 1, a list of k slots), released on exit
+        whatever happens, or None when throttled; waits up to `wait` for it."""
+        slots = self.try_slots(n, k, cap=cap, wait=wait)
         try:
-            yield slot
+            yield None if slots is None else (slots[0] if k == 1 else slots)
         finally:
-            if slot is not None:
+            for slot in slots or []:
                 self.release(slot, cap=cap)
 
     def close(self) -> None:
@@ -240,8 +279,10 @@ def connection_for(dsn: str) -> SlotConnection:
 
 
 @contextmanager
-def stage_e_slot(dsn: str, cap: str = DEFAULT_CAP, *, n: int) -> Iterator[int | None]:
+def stage_e_slot(dsn: str, cap: str = DEFAULT_CAP, *, n: int, wait: Wait = 0,
+                 k: int = 1) -> Iterator[Any]:
     """``with stage_e_slot(dsn, "exports", n=4) as slot:`` on this thread's dedicated
-    connection; ``stage_e_slot(dsn, n=8)`` is the cap ``default``."""
-    with connection_for(dsn).slot(n, cap=cap) as slot:
+    connection; ``stage_e_slot(dsn, n=8)`` is the cap ``default``. ``wait=`` (seconds or a
+    timedelta) waits that long for a slot; ``k=3`` takes three at once (a list)."""
+    with connection_for(dsn).slot(n, cap=cap, wait=wait, k=k) as slot:
         yield slot
