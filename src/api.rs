@@ -407,7 +407,7 @@ pub fn snapshot_document() -> serde_json::Value {
             .map(|(i, c)| {
                 if CounterValues::is_time(i) {
                     format!(
-                        "(pg_catalog.extract(epoch FROM {c}) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8"
+                        "(pg_catalog.date_part('epoch', {c}) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8"
                     )
                 } else {
                     c.to_string()
