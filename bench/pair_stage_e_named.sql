@@ -1,2 +1,3 @@
-SELECT stage_e_try_slot('exports', :n) AS slot \gset
-SELECT stage_e_release('exports', :slot);
+-- Typed parameters: an untyped (cap, n) pair is ambiguous with stage_e_try_slot(n, wait).
+SELECT stage_e_try_slot('exports', :n::int) AS slot \gset
+SELECT stage_e_release('exports', :slot::int);

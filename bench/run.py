@@ -379,7 +379,7 @@ def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     started = time.monotonic()
     settings = {"fsync": "on", "stage_e_slots.max_slots": BIG_N,
-                "max_locks_per_transaction": 512, "max_connections": 60}
+                "max_locks_per_transaction": 512, "max_connections": 100}
     cluster = Cluster("bench", settings).init().start()
     r: dict = {}
     try:

@@ -1,1 +1,1 @@
-SELECT stage_e_try_slot('tenant:1', :n);
+SELECT stage_e_try_slot('tenant:1', :n::int);

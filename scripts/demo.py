@@ -1,6 +1,7 @@
 """`make demo`: a throwaway cluster with stage_e_slots preloaded, and the cap at work."""
 
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -70,13 +71,40 @@ def main():
         retry = thief.execute("SELECT stage_e_try_slot(8)").fetchone()[0]
         print(f"  the freed slot goes to the next worker at once: stage_e_try_slot(8) -> {retry}")
 
-        show("SELECT * FROM stage_e_stats()", admin.execute("SELECT * FROM stage_e_stats()"))
+        print("\n== Named caps: 'exports' has slots of its own, and a caller can wait for one")
+        exporter = cluster.connect(application_name="exporter")
+        waiter = cluster.connect(application_name="export-waiter")
+        first = exporter.execute("SELECT stage_e_try_slot('exports', 1)").fetchone()[0]
+        print(f"  exporter: stage_e_try_slot('exports', 1) -> {first}")
+        got_export = []
+        started = time.monotonic()
+        t = threading.Thread(target=lambda: got_export.append(waiter.execute(
+            "SELECT stage_e_try_slot('exports', 1, '10 s')").fetchone()[0]))
+        t.start()
+        wait_for(lambda: admin.execute("SELECT count(*) FROM stage_e_slot_waiters").fetchone()[0],
+                 what="the waiter to queue")
+        show("SELECT cap, pid, position, wait_event_type FROM stage_e_slot_waiters",
+             admin.execute("SELECT cap, pid, position, wait_event_type "
+                           "FROM stage_e_slot_waiters"))
+        exporter.execute("SELECT stage_e_release('exports', 0)")
+        t.join()
+        print(f"  exporter releases; export-waiter's stage_e_try_slot('exports', 1, '10 s') "
+              f"returns slot {got_export[0]} after {time.monotonic() - started:.2f} s, woken by "
+              "the release")
+        exporter.close()
+        waiter.close()
+
+        show("SELECT cap, held, acquired, throttled, released, foreign_releases, "
+             "released_by_exit, waits, wait_time FROM stage_e_stats()",
+             admin.execute("SELECT cap, held, acquired, throttled, released, foreign_releases, "
+                           "released_by_exit, waits, date_trunc('milliseconds', wait_time) "
+                           "AS wait_time FROM stage_e_stats()"))
         admin.execute("SELECT stage_e_flush()")
-        show("After SELECT stage_e_flush(): SELECT throttled, foreign_releases, "
+        show("After SELECT stage_e_flush(): SELECT cap, throttled, foreign_releases, "
              "released_by_exit, flushed_at FROM stage_e_throttle_counter",
-             admin.execute("SELECT throttled, foreign_releases, released_by_exit, "
+             admin.execute("SELECT cap, throttled, foreign_releases, released_by_exit, "
                            "date_trunc('seconds', flushed_at) AS flushed_at "
-                           "FROM stage_e_throttle_counter"))
+                           "FROM stage_e_throttle_counter ORDER BY cap"))
         for c in workers:
             if not c.closed:
                 c.close()

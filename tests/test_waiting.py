@@ -341,3 +341,16 @@ def test_the_load_view_averages_held_slots_and_throttles():
                 "busy", "idle"]
     finally:
         c.destroy()
+
+
+def test_two_untyped_arguments_are_ambiguous_and_a_type_resolves_them(connect):
+    """stage_e_try_slot(cap, n) and stage_e_try_slot(n, wait) both take two arguments: the
+    README says how to call them unambiguously."""
+    c = connect()
+    with pytest.raises(errors.AmbiguousFunction):
+        c.execute("SELECT stage_e_try_slot('exports', '4')")
+    assert one(c, "SELECT stage_e_try_slot('exports', 4)") == 0
+    assert one(c, "SELECT stage_e_try_slot('exports', '4'::int)") == 1
+    assert one(c, "SELECT stage_e_try_slot(4, '0')") == 0  # (n, wait) of default
+    # psycopg sends Python ints typed, strings untyped: (unknown, int) resolves.
+    assert one(c, "SELECT stage_e_try_slot(%s, %s)", ("exports", 4)) == 2
