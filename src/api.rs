@@ -111,7 +111,7 @@ fn try_slots(
         .unwrap_or_else(|e| raise(e));
     slots::try_slots(cap, n, k, wait)
         .unwrap_or_else(|e| raise(e))
-        .map(|v| v.into_iter().map(|s| s as i32).collect())
+        .map(|t| t.into_vec().into_iter().map(|s| s as i32).collect())
 }
 
 fn try_slot(cap: Option<&str>, n: Option<i32>) -> Option<i32> {

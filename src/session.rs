@@ -76,8 +76,12 @@ pub fn database_exists(db: u32) -> bool {
 
 /// Whether this process is a parallel worker or a leader running a parallel query.
 pub fn in_parallel_mode() -> bool {
-    // SAFETY: reads this backend's transaction state.
-    unsafe { pg_sys::IsInParallelMode() }
+    unsafe extern "C" {
+        fn IsInParallelMode() -> bool;
+    }
+    // SAFETY: returns a field of the current transaction state and cannot raise an ERROR, so
+    // it is called without pgrx's setjmp guard (it runs twice per acquire+release pair).
+    unsafe { IsInParallelMode() }
 }
 
 /// Start of the current statement as a TimestampTz: when a slot was acquired, to the

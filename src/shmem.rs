@@ -65,7 +65,7 @@ struct Header {
     /// The launcher's PGPROC, to set its latch; null when it is not running.
     launcher: AtomicPtr<pg_sys::PGPROC>,
     max_waiters: u32,
-    _pad2: u32,
+    max_hazards: u32,
 }
 
 /// One value per counter, in `CounterValues::NAMES` order. Relaxed atomics: each is an
@@ -212,11 +212,18 @@ pub struct CapRef {
 pub struct Cap {
     entry: &'static CapEntry,
     pub cap: CapRef,
+    /// This backend's hazard slot when the pin is published there; None for a counted pin.
+    hazard: Option<&'static AtomicU64>,
 }
 
 impl Drop for Cap {
     fn drop(&mut self) {
-        self.entry.state.fetch_sub(1, Ordering::AcqRel);
+        match self.hazard {
+            Some(h) => h.store(0, Ordering::Release),
+            None => {
+                self.entry.state.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
     }
 }
 
@@ -297,8 +304,38 @@ impl CapEntry {
         self.name_len.store(name.len() as u32, Ordering::Relaxed);
     }
 
-    /// Pins the entry if it still has generation `generation` and is not LOCKED.
+    /// Pins the entry if it still has generation `generation` and is not LOCKED: in this
+    /// backend's hazard slot when it is free (a store and a load, no shared write: the hot
+    /// path), else by counting in the state word.
     fn pin(&'static self, cap: CapRef) -> Option<Cap> {
+        let Some(hazard) = my_hazard().filter(|h| h.load(Ordering::Relaxed) == 0) else {
+            return self.pin_counted(cap);
+        };
+        let mine = hazard_value(cap);
+        let mut spins = 0u32;
+        loop {
+            // Publish, then look (SeqCst both): a grower or reclaimer that sets LOCKED and then
+            // scans the hazard slots either sees this pin or is seen here.
+            hazard.store(mine, Ordering::SeqCst);
+            let s = self.state.load(Ordering::SeqCst);
+            if generation(s) != cap.generation {
+                hazard.store(0, Ordering::Release);
+                return None;
+            }
+            if s & LOCKED == 0 {
+                return Some(Cap {
+                    entry: self,
+                    cap,
+                    hazard: Some(hazard),
+                });
+            }
+            hazard.store(0, Ordering::Release);
+            spins = wait_unlocked(spins);
+        }
+    }
+
+    /// Pins the entry by counting in its state word (several pins at once, as `caps` takes).
+    fn pin_counted(&'static self, cap: CapRef) -> Option<Cap> {
         let mut spins = 0u32;
         loop {
             let s = self.state.load(Ordering::Acquire);
@@ -306,13 +343,7 @@ impl CapEntry {
                 return None;
             }
             if s & LOCKED != 0 {
-                // Being grown (quick) or reclaimed (then the generation changes): wait.
-                spins += 1;
-                if spins.is_multiple_of(64) {
-                    // SAFETY: a plain sleep; no lock or pin is held here.
-                    unsafe { pg_sys::pg_usleep(50) };
-                }
-                std::hint::spin_loop();
+                spins = wait_unlocked(spins);
                 continue;
             }
             if self
@@ -320,7 +351,11 @@ impl CapEntry {
                 .compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                return Some(Cap { entry: self, cap });
+                return Some(Cap {
+                    entry: self,
+                    cap,
+                    hazard: None,
+                });
             }
         }
     }
@@ -419,6 +454,44 @@ pub enum CapError {
     Busy,
 }
 
+/// The entry is being grown (quick) or reclaimed (then the generation changes): wait a little.
+fn wait_unlocked(spins: u32) -> u32 {
+    if (spins + 1).is_multiple_of(64) {
+        // SAFETY: a plain sleep; no lock or pin is held here.
+        unsafe { pg_sys::pg_usleep(50) };
+    }
+    std::hint::spin_loop();
+    spins + 1
+}
+
+/// What a hazard slot holds while it pins `cap`: never 0.
+fn hazard_value(cap: CapRef) -> u64 {
+    ((cap.entry as u64 + 1) << 32) | cap.generation as u64
+}
+
+/// This process's hazard slot: one per PGPROC, so each backend has its own.
+fn my_hazard() -> Option<&'static AtomicU64> {
+    let seg = segment()?;
+    #[cfg(feature = "pg15")]
+    // SAFETY: MyProc is this process's PGPROC, set at start-up (null in the postmaster).
+    let procno = unsafe { pg_sys::MyProc.as_ref().map(|p| p.pgprocno as usize) };
+    #[cfg(feature = "pg18")]
+    // SAFETY: MyProcNumber is set at start-up (-1 without a PGPROC).
+    let procno = usize::try_from(unsafe { pg_sys::MyProcNumber }).ok();
+    seg.hazards.get(procno?)
+}
+
+/// Whether some backend's hazard slot pins entry `i` at its generation in `state`.
+impl Segment {
+    fn hazard_pinned(&self, i: u32, state: u64) -> bool {
+        let v = hazard_value(CapRef {
+            entry: i,
+            generation: generation(state),
+        });
+        self.hazards.iter().any(|h| h.load(Ordering::SeqCst) == v)
+    }
+}
+
 /// Set in every process by the startup hook (children inherit it through fork). Null means
 /// the library was not preloaded, and every SQL function refuses to run.
 static SEGMENT: AtomicPtr<Header> = AtomicPtr::new(std::ptr::null_mut());
@@ -433,6 +506,7 @@ static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
 struct Layout {
     max_caps: u32,
     max_waiters: u32,
+    max_hazards: u32,
     index_len: usize,
     pages: u32,
     top_order: u32,
@@ -446,6 +520,10 @@ impl Layout {
             max_caps: gucs::max_caps(),
             // SAFETY: MaxBackends is final when shared memory is requested (PG 15+).
             max_waiters: unsafe { pg_sys::MaxBackends }.max(1) as u32,
+            // One hazard slot per PGPROC of a backend or background worker (they come first
+            // in the PGPROC array, MaxBackends of them); any other process pins by counting.
+            // SAFETY: as above.
+            max_hazards: unsafe { pg_sys::MaxBackends }.max(1) as u32,
             index_len: directory::index_len(gucs::max_caps()),
             pages: arena::pages_for(gucs::slot_memory_bytes(), top_order),
             top_order,
@@ -456,6 +534,7 @@ impl Layout {
         size_of::<Header>()
             + self.max_caps as usize * size_of::<CapEntry>()
             + self.max_waiters as usize * size_of::<WaiterRecord>()
+            + self.max_hazards as usize * size_of::<AtomicU64>()
             + (self.index_len + arena::meta_words(self.pages)).next_multiple_of(2) * 4
             + self.pages as usize * arena::PAGE
     }
@@ -509,6 +588,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
             std::ptr::write_bytes(base as *mut u8, 0, size);
             (*base).max_caps = layout.max_caps;
             (*base).max_waiters = layout.max_waiters;
+            (*base).max_hazards = layout.max_hazards;
             (*base).max_slots = gucs::max_slots();
             (*base).index_len = layout.index_len as u32;
             (*base).pages = layout.pages;
@@ -519,6 +599,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
         DIRECTORY_LOCK.store(&raw mut (*locks).lock, Ordering::Release);
         WAITS_LOCK.store(&raw mut (*locks.add(1)).lock, Ordering::Release);
         SEGMENT.store(base, Ordering::Release);
+        attach_view();
         if !found {
             segment().expect("just attached").buddy().reset();
         }
@@ -618,12 +699,36 @@ struct Segment {
     header: &'static Header,
     entries: &'static [CapEntry],
     waiters: &'static [WaiterRecord],
+    hazards: &'static [AtomicU64],
     index: &'static [AtomicU32],
     meta: &'static [AtomicU32],
     arena: *mut u8,
 }
 
-fn segment() -> Option<Segment> {
+/// The segment's parts, computed when it is attached (the hot path asks for them several
+/// times per call).
+fn segment() -> Option<&'static Segment> {
+    // SAFETY: VIEW is null or a leaked Segment for the current segment (see `attach_view`).
+    unsafe { VIEW.load(Ordering::Acquire).as_ref() }
+}
+
+/// The parts of the attached segment. Set by the startup hook each time shared memory is
+/// (re)created (at start and after a crash reset, when it may move), and inherited by children.
+static VIEW: AtomicPtr<Segment> = AtomicPtr::new(std::ptr::null_mut());
+
+fn attach_view() {
+    if let Some(view) = compute_segment() {
+        // Leaked on purpose: it lives as long as the segment, and one is made per crash reset.
+        VIEW.store(Box::into_raw(Box::new(view)), Ordering::Release);
+    }
+}
+
+// SAFETY: every part is shared memory made of atomics, or the arena base address, which never
+// changes; a backend is single-threaded, and the unit tests do not touch the segment.
+unsafe impl Sync for Segment {}
+unsafe impl Send for Segment {}
+
+fn compute_segment() -> Option<Segment> {
     let base = SEGMENT.load(Ordering::Acquire);
     if base.is_null() {
         return None;
@@ -635,7 +740,8 @@ fn segment() -> Option<Segment> {
         let caps = header.max_caps as usize;
         let entries = (base as *mut u8).add(size_of::<Header>()) as *const CapEntry;
         let waiters = entries.add(caps) as *const WaiterRecord;
-        let index = waiters.add(header.max_waiters as usize) as *const AtomicU32;
+        let hazards = waiters.add(header.max_waiters as usize) as *const AtomicU64;
+        let index = hazards.add(header.max_hazards as usize) as *const AtomicU32;
         let meta = index.add(header.index_len as usize);
         let meta_len = arena::meta_words(header.pages);
         let words = (header.index_len as usize + meta_len).next_multiple_of(2);
@@ -644,6 +750,7 @@ fn segment() -> Option<Segment> {
             header,
             entries: std::slice::from_raw_parts(entries, caps),
             waiters: std::slice::from_raw_parts(waiters, header.max_waiters as usize),
+            hazards: std::slice::from_raw_parts(hazards, header.max_hazards as usize),
             index: std::slice::from_raw_parts(index, header.index_len as usize),
             meta: std::slice::from_raw_parts(meta, meta_len),
             arena,
@@ -863,6 +970,7 @@ impl Segment {
         let (_, bits) = self.block(e);
         let busy = s & LOCKED != 0
             || s & PINS != 0
+            || self.hazard_pinned(i, s)
             || bits.iter().any(|w| w.load(Ordering::Acquire) != 0)
             || e.flusher.load(Ordering::Acquire) != 0
             || e.waiters.load(Ordering::Acquire) != 0
@@ -929,7 +1037,7 @@ impl Segment {
         }
         // No new pin can start; wait (briefly) for the current ones to end.
         let mut waited = 0;
-        while e.state.load(Ordering::Acquire) & PINS != 0 {
+        while e.state.load(Ordering::SeqCst) & PINS != 0 || self.hazard_pinned(cap.entry, s) {
             if waited > 20_000 {
                 unlock();
                 return Err(CapError::Busy);
@@ -1072,7 +1180,7 @@ pub fn caps(db: Option<u32>) -> Vec<Cap> {
                 return None;
             }
             let cap = seg.cap_ref(i);
-            let pinned = e.pin(cap)?;
+            let pinned = e.pin_counted(cap)?;
             // Re-check under the pin: the entry may have been reclaimed and reused.
             (pinned.database() == d).then_some(pinned)
         })

@@ -184,7 +184,29 @@ fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
 /// `stage_e_try_slot(cap, n)`: the lowest free slot in `[0, n)` of the cap, now held by this
 /// session, or None (throttled, counted once).
 pub fn try_slot(cap: Option<&str>, n: Option<i32>) -> Result<Option<u32>, SlotError> {
-    Ok(try_slots(cap, n, Some(1), Wait::No)?.map(|s| s[0]))
+    Ok(try_slots(cap, n, Some(1), Wait::No)?.map(|t| t.first()))
+}
+
+/// Slots taken by one call: one (the common case, without an allocation) or several.
+pub enum Taken {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl Taken {
+    pub fn first(&self) -> u32 {
+        match self {
+            Taken::One(s) => *s,
+            Taken::Many(v) => v[0],
+        }
+    }
+
+    pub fn into_vec(self) -> Vec<u32> {
+        match self {
+            Taken::One(s) => vec![s],
+            Taken::Many(v) => v,
+        }
+    }
 }
 
 /// `stage_e_try_slots(cap, n, k, wait)` (and `stage_e_try_slot` with a wait): k distinct slots
@@ -198,7 +220,7 @@ pub fn try_slots(
     n: Option<i32>,
     k: Option<i32>,
     wait: Wait,
-) -> Result<Option<Vec<u32>>, SlotError> {
+) -> Result<Option<Taken>, SlotError> {
     ready()?;
     let name = check_name(cap)?;
     let n = check_cap(n)?;
@@ -214,7 +236,7 @@ pub fn try_slots(
         // Before saying "throttled": this session may have dropped one of its own slots' locks
         // earlier in this very transaction (transaction end would clear it). Clear such slots
         // now and look once more; a session holding no slot of this cap skips this.
-        if reconcile_cap(cap.key()) > 0 {
+        if reconcile_cap(&cap) > 0 {
             if let Some(got) = take(&cap, n, k, now) {
                 cap.counters().bump(Counter::Acquired, k as u64);
                 return Ok(Some(got));
@@ -238,7 +260,7 @@ fn wait_in_line(
     n: u32,
     k: u32,
     deadline: Option<std::time::Instant>,
-) -> Result<Option<Vec<u32>>, SlotError> {
+) -> Result<Option<Taken>, SlotError> {
     let started = waiting::now();
     let counters = cap.counters();
     counters.bump(Counter::Waits, 1);
@@ -276,7 +298,11 @@ fn wait_in_line(
 }
 
 /// Takes `k` slots of `[0, n)`, all or none; `at` is their acquisition time.
-fn take(cap: &Cap, n: u32, k: u32, at: i64) -> Option<Vec<u32>> {
+fn take(cap: &Cap, n: u32, k: u32, at: i64) -> Option<Taken> {
+    if k == 1 {
+        // The common case, without the bookkeeping below.
+        return search(cap, n, at).map(Taken::One);
+    }
     let mut got = Vec::with_capacity(k as usize);
     while got.len() < k as usize {
         match search(cap, n, at) {
@@ -285,7 +311,7 @@ fn take(cap: &Cap, n: u32, k: u32, at: i64) -> Option<Vec<u32>> {
         }
     }
     if got.len() == k as usize {
-        return Some(got);
+        return Some(Taken::Many(got));
     }
     // Not all of them: give back the ones taken, as if never taken (nothing is counted, and
     // nobody is woken: only the head of a queue takes slots, and that may be this very call).
@@ -334,32 +360,34 @@ fn search(cap: &Cap, n: u32, at: i64) -> Option<u32> {
     None
 }
 
-/// Drops the extension's bookkeeping for a slot this backend tracked, and wakes the cap's
-/// first waiter. Returns when the slot was acquired.
-fn forget(held: Held) -> Option<i64> {
-    let mut acquired_at = None;
-    if let Some(cap) = shmem::pin(held.cap) {
+/// Runs `f` on the cap of `held`: `near` when the caller has that cap pinned already (the
+/// hot path pins once), else a pin of its own.
+fn with_cap<R>(near: Option<&Cap>, held: Held, f: impl FnOnce(&Cap) -> R) -> Option<R> {
+    match near {
+        Some(cap) if cap.cap == held.cap => Some(f(cap)),
+        _ => shmem::pin(held.cap).map(|cap| f(&cap)),
+    }
+}
+
+/// Drops the extension's bookkeeping for a slot this backend tracked and wakes the cap's first
+/// waiter; with `released_at`, counts how long the slot was held.
+fn forget(near: Option<&Cap>, held: Held, released_at: Option<i64>) {
+    with_cap(near, held, |cap| {
         let record = cap.record(held.slot);
-        acquired_at = Some(record.get().1);
+        let acquired_at = record.get().1;
         record.clear();
         occupancy::clear(cap.bits(), held.slot);
         cap.wake_head();
-    }
+        if let Some(now) = released_at.filter(|_| acquired_at != 0) {
+            cap.counters()
+                .bump(Counter::HoldTime, (now - acquired_at).max(0) as u64);
+        }
+    });
     session::untrack(held);
-    acquired_at
 }
 
-/// Forgets a slot given back at `now`, counting how long it was held.
-fn forget_released(held: Held, now: i64) {
-    if let Some(at) = forget(held).filter(|&at| at != 0) {
-        bump(held, Counter::HoldTime, (now - at).max(0) as u64);
-    }
-}
-
-fn bump(held: Held, which: Counter, by: u64) {
-    if let Some(cap) = shmem::pin(held.cap) {
-        cap.counters().bump(which, by);
-    }
+fn bump(near: Option<&Cap>, held: Held, which: Counter, by: u64) {
+    with_cap(near, held, |cap| cap.counters().bump(which, by));
 }
 
 /// `stage_e_release(cap, slot)`: releases the slot if this session holds it; otherwise changes
@@ -370,8 +398,9 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     let slot = check_slot(slot)?;
     let key = shmem::cap_key(name);
     // Counted on the cap if it exists here; a release never creates one.
+    let pinned = existing(name);
     let count = |which| {
-        if let Some(cap) = existing(name) {
+        if let Some(cap) = &pinned {
             cap.counters().bump(which, 1);
         }
     };
@@ -381,13 +410,13 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     let tracked = session::tracked_slot(key, slot);
     if (tracked.is_some() || locks::held_by_me(key, slot)) && locks::unlock(key, slot) {
         if let Some(held) = tracked {
-            forget_released(held, session::statement_start());
+            forget(pinned.as_ref(), held, Some(session::statement_start()));
         }
         count(Counter::Released);
         return Ok(Release::Released);
     }
     if let Some(held) = tracked {
-        lost(held);
+        lost(pinned.as_ref(), held);
     }
     count(Counter::ForeignReleases);
     Ok(Release::NotHeld {
@@ -404,14 +433,21 @@ pub fn release_all(cap: Option<Option<&str>>) -> Result<u32, SlotError> {
         None => None,
     };
     let mut released = 0;
+    let now = session::statement_start();
+    let mut pinned: Option<Cap> = None;
     for held in session::tracked(key) {
+        // Sorted by cap: one pin per cap.
+        if pinned.as_ref().map(|c| c.cap) != Some(held.cap) {
+            drop(pinned.take()); // frees this backend's hazard slot for the next pin
+            pinned = shmem::pin(held.cap);
+        }
         if locks::held_by_me(held.key, held.slot) {
             locks::unlock(held.key, held.slot);
-            bump(held, Counter::Released, 1);
-            forget_released(held, session::statement_start());
+            bump(pinned.as_ref(), held, Counter::Released, 1);
+            forget(pinned.as_ref(), held, Some(now));
             released += 1;
         } else {
-            lost(held);
+            lost(pinned.as_ref(), held);
         }
     }
     Ok(released)
@@ -425,7 +461,7 @@ pub fn holding(cap: Option<&str>, slot: Option<i32>) -> Result<bool, SlotError> 
     let held = locks::held_by_me(key, slot);
     if !held {
         if let Some(h) = session::tracked_slot(key, slot) {
-            lost(h);
+            lost(None, h);
         }
     }
     Ok(held)
@@ -433,10 +469,10 @@ pub fn holding(cap: Option<&str>, slot: Option<i32>) -> Result<bool, SlotError> 
 
 /// A tracked slot whose lock this session no longer has: it was dropped behind the extension's
 /// back. Clear it so it is usable again, count it as released, and say so in the log.
-fn lost(held: Held) {
-    let name = shmem::pin(held.cap).map(|c| c.name()).unwrap_or_default();
-    bump(held, Counter::Released, 1);
-    forget_released(held, session::statement_start());
+fn lost(near: Option<&Cap>, held: Held) {
+    let name = with_cap(near, held, |c| c.name()).unwrap_or_default();
+    bump(near, held, Counter::Released, 1);
+    forget(near, held, Some(session::statement_start()));
     pgrx::log!(
         "stage_e_slots: slot {} of cap \"{name}\" of pid {} was released outside stage_e_release \
          (DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again",
@@ -448,16 +484,17 @@ fn lost(held: Held) {
 /// Transaction end in a backend that tracks slots: clear any whose lock has gone.
 pub fn reconcile() {
     for held in session::tracked_where(|h| !locks::held_by_me(h.key, h.slot)) {
-        lost(held);
+        lost(None, held);
     }
 }
 
 /// Clears this backend's tracked slots of the cap with key `key` whose lock it no longer holds
 /// (a local lookup each); returns how many.
-fn reconcile_cap(key: i32) -> usize {
+fn reconcile_cap(cap: &Cap) -> usize {
+    let key = cap.key();
     let gone = session::tracked_where(|h| h.key == key && !locks::held_by_me(h.key, h.slot));
     for &held in &gone {
-        lost(held);
+        lost(Some(cap), held);
     }
     gone.len()
 }
@@ -467,18 +504,24 @@ fn reconcile_cap(key: i32) -> usize {
 pub fn release_on_exit() {
     let mut released: Vec<(String, Vec<u32>)> = Vec::new();
     let now = waiting::now();
+    let mut pinned: Option<Cap> = None;
     for held in session::tracked(None) {
+        if pinned.as_ref().map(|c| c.cap) != Some(held.cap) {
+            drop(pinned.take()); // frees this backend's hazard slot for the next pin
+            pinned = shmem::pin(held.cap);
+        }
         if locks::held_by_me(held.key, held.slot) {
             locks::unlock(held.key, held.slot);
-            let name = shmem::pin(held.cap).map(|c| c.name()).unwrap_or_default();
+            let name = pinned.as_ref().map(|c| c.name()).unwrap_or_default();
             match released.iter_mut().find(|(n, _)| *n == name) {
                 Some((_, slots)) => slots.push(held.slot),
                 None => released.push((name, vec![held.slot])),
             }
-            bump(held, Counter::ReleasedByExit, 1);
+            bump(pinned.as_ref(), held, Counter::ReleasedByExit, 1);
         }
-        forget_released(held, now);
+        forget(pinned.as_ref(), held, Some(now));
     }
+    drop(pinned);
     if released.is_empty() {
         return;
     }
