@@ -26,12 +26,16 @@
 //! caps of n ≤ 15 fit at once (8,192 pages), or 64 caps of n = 1,024, or any mix.
 //!
 //! **Concurrency.** The hot path takes no LWLock: a backend finds a cap through its local cache
-//! (`session`), *pins* the entry (a CAS on its state word that also checks the entry's
-//! generation, so a cached reference to a cap since reclaimed fails and is looked up again),
-//! claims a slot bit with a CAS, asks the lock manager, and unpins. The directory LWLock is
-//! taken in shared mode to look a cap up on a cache miss, and in exclusive mode to create,
-//! grow or reclaim one; growing and reclaiming first set the entry's LOCKED bit, which stops
-//! new pins, and act only once no pin is left.
+//! (`session`), *pins* the entry, claims a slot bit with a CAS, asks the lock manager, and
+//! unpins. A pin is published in the backend's own hazard slot (one per PGPROC): a SeqCst store
+//! of (entry, generation) and a load of the entry's state word, so pinning writes nothing
+//! shared, and a cached reference to a cap since reclaimed (another generation) fails and is
+//! looked up again. A backend holding several pins at once (`caps`) counts them in the state
+//! word instead. The directory LWLock is taken in shared mode to look a cap up on a cache miss,
+//! and in exclusive mode to create, grow or reclaim one; growing and reclaiming first set the
+//! entry's LOCKED bit, which stops new pins, and act only once no counted pin is left and no
+//! hazard slot names the entry (the SeqCst store-then-load on both sides means one always sees
+//! the other).
 //!
 //! **Reclaiming.** A cap with no pin, no occupied slot, nothing pending for the table and no
 //! flush in progress may be reclaimed when room is needed (an entry or a block); its counts are
@@ -49,7 +53,8 @@ use std::sync::atomic::{AtomicI32, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, O
 const SEGMENT_NAME: &std::ffi::CStr = c"stage_e_slots";
 const LOCK_TRANCHE: &std::ffi::CStr = c"stage_e_slots";
 
-#[repr(C)]
+/// Cache-line aligned, so that the cap entries after it are too.
+#[repr(C, align(64))]
 struct Header {
     max_caps: u32,
     max_slots: u32,
@@ -72,6 +77,16 @@ struct Header {
 /// independent monotonic tally, read only for reporting and flushing.
 #[repr(C)]
 pub struct Counters([AtomicU64; COUNT]);
+
+#[repr(C, align(64))]
+struct HotCounters(Counters);
+
+impl std::ops::Deref for HotCounters {
+    type Target = Counters;
+    fn deref(&self) -> &Counters {
+        &self.0
+    }
+}
 
 /// Which counter to bump.
 #[derive(Clone, Copy)]
@@ -129,8 +144,9 @@ pub struct CapEntry {
     flusher: AtomicI32,
     hash: AtomicU64,
     name: [AtomicU64; 8],
-    /// Counted since the cap was created (the hot path writes only these).
-    counters: Counters,
+    /// Counted since the cap was created (the hot path writes only these), on cache lines of
+    /// their own: every call bumps one, and the fields above are read by every call.
+    counters: HotCounters,
     /// Pending counts saved at the last clean shutdown, not yet in the table.
     carried: Counters,
     /// Value of `counters` at the last committed flush.
@@ -464,6 +480,11 @@ fn wait_unlocked(spins: u32) -> u32 {
     spins + 1
 }
 
+/// One backend's hazard slot, alone on its cache line: each backend writes its own twice per
+/// call, and must not slow its neighbours down doing so.
+#[repr(C, align(64))]
+struct HazardSlot(AtomicU64);
+
 /// What a hazard slot holds while it pins `cap`: never 0.
 fn hazard_value(cap: CapRef) -> u64 {
     ((cap.entry as u64 + 1) << 32) | cap.generation as u64
@@ -478,7 +499,13 @@ fn my_hazard() -> Option<&'static AtomicU64> {
     #[cfg(feature = "pg18")]
     // SAFETY: MyProcNumber is set at start-up (-1 without a PGPROC).
     let procno = usize::try_from(unsafe { pg_sys::MyProcNumber }).ok();
-    seg.hazards.get(procno?)
+    seg.hazards.get(procno?).map(|h| &h.0)
+}
+
+/// Bytes from `addr` to the next 64-byte boundary: the segment and the hazard slots start on
+/// one (the layout reserves 64 bytes for each).
+fn to_cache_line(addr: usize) -> usize {
+    addr.next_multiple_of(64) - addr
 }
 
 /// Whether some backend's hazard slot pins entry `i` at its generation in `state`.
@@ -488,7 +515,7 @@ impl Segment {
             entry: i,
             generation: generation(state),
         });
-        self.hazards.iter().any(|h| h.load(Ordering::SeqCst) == v)
+        self.hazards.iter().any(|h| h.0.load(Ordering::SeqCst) == v)
     }
 }
 
@@ -531,10 +558,12 @@ impl Layout {
     }
 
     fn size(&self) -> usize {
-        size_of::<Header>()
+        // 64 bytes to align the start to a cache line (ShmemInitStruct aligns to 8 only).
+        64 + size_of::<Header>()
             + self.max_caps as usize * size_of::<CapEntry>()
             + self.max_waiters as usize * size_of::<WaiterRecord>()
-            + self.max_hazards as usize * size_of::<AtomicU64>()
+            + 64
+            + self.max_hazards as usize * size_of::<HazardSlot>()
             + (self.index_len + arena::meta_words(self.pages)).next_multiple_of(2) * 4
             + self.pages as usize * arena::PAGE
     }
@@ -583,9 +612,10 @@ unsafe extern "C-unwind" fn shmem_startup() {
         let lock = &raw mut (*pg_sys::MainLWLockArray.add(21)).lock; // AddinShmemInitLock
         pg_sys::LWLockAcquire(lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
         let mut found = false;
-        let base = pg_sys::ShmemInitStruct(SEGMENT_NAME.as_ptr(), size, &mut found) as *mut Header;
+        let raw = pg_sys::ShmemInitStruct(SEGMENT_NAME.as_ptr(), size, &mut found) as *mut u8;
+        let base = raw.add(to_cache_line(raw as usize)) as *mut Header;
         if !found {
-            std::ptr::write_bytes(base as *mut u8, 0, size);
+            std::ptr::write_bytes(raw, 0, size);
             (*base).max_caps = layout.max_caps;
             (*base).max_waiters = layout.max_waiters;
             (*base).max_hazards = layout.max_hazards;
@@ -699,7 +729,7 @@ struct Segment {
     header: &'static Header,
     entries: &'static [CapEntry],
     waiters: &'static [WaiterRecord],
-    hazards: &'static [AtomicU64],
+    hazards: &'static [HazardSlot],
     index: &'static [AtomicU32],
     meta: &'static [AtomicU32],
     arena: *mut u8,
@@ -740,7 +770,9 @@ fn compute_segment() -> Option<Segment> {
         let caps = header.max_caps as usize;
         let entries = (base as *mut u8).add(size_of::<Header>()) as *const CapEntry;
         let waiters = entries.add(caps) as *const WaiterRecord;
-        let hazards = waiters.add(header.max_waiters as usize) as *const AtomicU64;
+        let hazards = (waiters.add(header.max_waiters as usize) as *const u8).add(to_cache_line(
+            waiters.add(header.max_waiters as usize) as usize,
+        )) as *const HazardSlot;
         let index = hazards.add(header.max_hazards as usize) as *const AtomicU32;
         let meta = index.add(header.index_len as usize);
         let meta_len = arena::meta_words(header.pages);
