@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import os
 import statistics
 import subprocess
 import sys
@@ -226,14 +225,10 @@ def idle_waiter_cpu(cluster: Cluster, count: int, seconds: float) -> float:
         if time.monotonic() > deadline:
             raise RuntimeError("the waiters did not queue")
         time.sleep(0.05)
-    tick = os.sysconf("SC_CLK_TCK")
-
     def cpu() -> float:
-        total = 0
-        for pid in pids:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime + stime
-        return total / tick
+        """Seconds on a CPU, summed: /proc/PID/schedstat's first field is exact nanoseconds
+        (utime and stime are sampled at the clock tick, which misses short wake-ups)."""
+        return sum(int(open(f"/proc/{pid}/schedstat").read().split()[0]) for pid in pids) / 1e9
 
     before, t0 = cpu(), time.monotonic()
     time.sleep(seconds)

@@ -58,7 +58,8 @@ def main():
         still = holder.execute("SELECT stage_e_holding(0)").fetchone()[0]
         print(f"  {holder.info.parameter_status('application_name')} still holds slot 0: {still}")
 
-        print("\n== The incident: a framework closes worker-01's connection mid-region")
+        print(f"\n== The incident: a framework closes "
+              f"{holder.info.parameter_status('application_name')}'s connection mid-region")
         pid = holder.info.backend_pid
         holder.close()
         wait_for(lambda: not admin.execute(

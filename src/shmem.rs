@@ -6,7 +6,10 @@
 //! ```text
 //! Header
 //! CapEntry × max_caps        a cap's fixed part: database, name, lock key, pin state, where its
-//!                            slots are, counters and flush bookkeeping (about 300 bytes)
+//!                            slots are, counters and flush bookkeeping, the waiters' queue and
+//!                            load averages (648 bytes)
+//! WaiterRecord × MaxBackends who waits for which cap (see "Waiting")
+//! 64 B × MaxBackends         one hazard slot per backend (see "Concurrency")
 //! u32 × index_len            the (database, name) → entry index (`directory`), 2 × max_caps rounded
 //!                            up to a power of two
 //! u32 × 3 × pages + 25       the arena allocator's state (`arena`)
@@ -21,9 +24,10 @@
 //! reclaimed caps serves caps of any size. `pages` is `stage_e_slots.slot_memory` rounded up to
 //! whole blocks of `max_slots` slots (at least one).
 //!
-//! **Budget** at the defaults (max_caps 4096, slot_memory 2 MB, max_slots 1024): about 1.3 MB of
-//! entries, 32 kB of index, 2 MB of arena and 100 kB of allocator state, 3.5 MB in all; 4,096
-//! caps of n ≤ 15 fit at once (8,192 pages), or 64 caps of n = 1,024, or any mix.
+//! **Budget** at the defaults (max_caps 4096, slot_memory 2 MB, max_slots 1024): 2.6 MB of
+//! entries (648 bytes each), 32 kB of index, a waiter record and a 64-byte hazard slot per
+//! backend, 2 MB of arena and 100 kB of allocator state: 4.9 MB in all (`make bench` measures
+//! it); 4,096 caps of n ≤ 15 fit at once (8,192 pages), or 64 caps of n = 1,024, or any mix.
 //!
 //! **Concurrency.** The hot path takes no LWLock: a backend finds a cap through its local cache
 //! (`session`), *pins* the entry, claims a slot bit with a CAS, asks the lock manager, and
