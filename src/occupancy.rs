@@ -94,10 +94,18 @@ pub fn claim_first_free(words: &[AtomicU64], from: u32, n: u32) -> Option<Claim<
     None
 }
 
-/// Clears `slot`'s bit. Only the backend that claimed the slot calls this.
+/// Clears `slot`'s bit. Only the backend that claimed the slot calls this. SeqCst: a waiter
+/// queue reads the bits after publishing its head, and the releaser reads the head after this.
 pub fn clear(words: &[AtomicU64], slot: u32) {
     let (w, bit) = ((slot / WORD_BITS) as usize, slot % WORD_BITS);
-    words[w].fetch_and(!(1u64 << bit), Ordering::AcqRel);
+    words[w].fetch_and(!(1u64 << bit), Ordering::SeqCst);
+}
+
+/// Number of clear bits in `[0, n)` (free slots, as far as the bitmap knows).
+pub fn free_below(words: &[AtomicU64], n: u32) -> u32 {
+    (0..words_for(n).min(words.len()))
+        .map(|w| (!words[w].load(Ordering::SeqCst) & mask_below(w, n)).count_ones())
+        .sum()
 }
 
 #[cfg(test)]
@@ -171,6 +179,20 @@ mod unit {
         assert!(claim_first_free(&b, 199, 200).is_none());
         assert!(claim_first_free(&b, 200, 200).is_none());
         assert_eq!(claim_first_free(&b, 0, 200).unwrap().keep(), 0);
+    }
+
+    #[test]
+    fn free_below_counts_clear_bits_under_n() {
+        let b = bitmap(130);
+        assert_eq!(free_below(&b, 130), 130);
+        for _ in 0..70 {
+            claim_first_free(&b, 0, 130).unwrap().keep();
+        }
+        assert_eq!(free_below(&b, 130), 60);
+        assert_eq!(free_below(&b, 64), 0);
+        assert_eq!(free_below(&b, 71), 1);
+        clear(&b, 3);
+        assert_eq!(free_below(&b, 64), 1);
     }
 
     #[test]

@@ -1419,8 +1419,16 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
                 e.head
                     .store(o.ticket.load(Ordering::Relaxed), Ordering::SeqCst);
                 e.head_proc.store(p, Ordering::SeqCst);
-                // SAFETY: as in wake_head.
-                unsafe { pg_sys::SetLatch(&raw mut (*p).procLatch) };
+                // Wake the new head only if its slots may be free now: otherwise the release
+                // that frees them wakes it (it reads head_proc after clearing its bit, and the
+                // bits are read here after head_proc was set, so one of the two sees the
+                // other). Waking it in vain would cost every hand-off a second context switch.
+                let (_, bits) = seg.block(e);
+                let want = o.k.load(Ordering::Relaxed);
+                if occupancy::free_below(bits, o.n.load(Ordering::Relaxed)) >= want {
+                    // SAFETY: as in wake_head.
+                    unsafe { pg_sys::SetLatch(&raw mut (*p).procLatch) };
+                }
             }
             None => {
                 e.head
