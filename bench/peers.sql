@@ -32,3 +32,23 @@ END $$;
 
 -- 3. A table-row semaphore like Solid Queue's solid_queue_semaphores.
 CREATE TABLE peer_semaphores (key text PRIMARY KEY, value int NOT NULL);
+
+-- 4. Waiting by polling: try every slot, sleep 10 ms, try again (redis-semaphore's default
+--    retry delay), until a slot frees or the timeout passes.
+CREATE FUNCTION peer_poll_slot(k int, n int, timeout_s float8) RETURNS int
+LANGUAGE plpgsql VOLATILE SET search_path = pg_catalog AS $$
+DECLARE
+  deadline timestamptz := clock_timestamp() + make_interval(secs => timeout_s);
+BEGIN
+  LOOP
+    FOR s IN 0 .. n - 1 LOOP
+      IF pg_try_advisory_lock(k, s) THEN
+        RETURN s;
+      END IF;
+    END LOOP;
+    IF clock_timestamp() > deadline THEN
+      RETURN NULL;
+    END IF;
+    PERFORM pg_sleep(0.01);
+  END LOOP;
+END $$;

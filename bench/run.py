@@ -173,11 +173,17 @@ def bench_waiting(cluster: Cluster) -> dict:
     """Waiting: the hand-off rate of a saturated cap against the uncontended pair; how fair
     the queue is under saturation; what idle waiters cost."""
     clients = 32
-    print(f"  hand-off: {clients} clients, n = 4 with wait, against n = 32 (no contention)",
+    print(f"  hand-off: {clients} clients, n = 4 with wait, against n = 32 (no contention), "
+          "and PostgreSQL's own hand-off of a blocking lock",
           flush=True)
     handoff = rounds({
         "wait n=4": lambda: pgbench(cluster, "pair_wait.sql", clients, n=4),
         "no contention n=32": lambda: pgbench(cluster, "pair_stage_e_named.sql", clients, n=32),
+        "wait n=1": lambda: pgbench(cluster, "pair_wait.sql", clients, n=1),
+        "PostgreSQL blocking lock, 1 key": lambda: pgbench(cluster, "pair_blocking.sql",
+                                                           clients, n=1),
+        "PostgreSQL blocking lock, 4 keys at random": lambda: pgbench(
+            cluster, "pair_blocking.sql", clients, n=4),
     })
     print("  fairness: 32 waiters on n = 4, each holding its slot 2 ms", flush=True)
     waits: list[float] = []
@@ -203,6 +209,90 @@ def bench_waiting(cluster: Cluster) -> dict:
     idle = idle_waiter_cpu(cluster, 64, 10.0)
     return {"handoff_tps": handoff, "fair_mean_ms": mean * 1e3,
             "fair_max_ms": max(waits) * 1e3, "fair_calls": len(waits), "idle_cpu": idle}
+
+
+# Wake latency: how the contenders wait for a cap of one slot (acquire, release).
+WAKE_CONTENDERS = {
+    "stage_e_slots": ("SELECT stage_e_try_slot('wake', 1, '60 s')",
+                      "SELECT stage_e_release('wake', 0)"),
+    "PostgreSQL's blocking pg_advisory_lock (the floor)": (
+        f"SELECT pg_advisory_lock({KEY}, 7)", f"SELECT pg_advisory_unlock({KEY}, 7)"),
+    "polling peer (try + pg_sleep(0.01))": (
+        f"SELECT peer_poll_slot({KEY}, 1, 60)", f"SELECT pg_advisory_unlock({KEY}, 0)"),
+}
+WAKE_HOLD = 0.002
+WAKE_SAMPLES = 400
+
+
+def wake_latency(cluster: Cluster, acquire: str, release: str, waiters: int) -> dict:
+    """From a holder's release to the return of a waiter's acquire, over a cap of one slot that
+    `waiters + 1` sessions take in turn, each holding it WAKE_HOLD. A session that released
+    queues again only once another session has the slot: each hand-off goes to a session that
+    was already waiting (a polling peer would otherwise mostly hand the slot back to the
+    releaser). Sorted by time, acquisitions and releases must alternate (one holder at once)."""
+    events: list[tuple[float, str]] = []
+    cond = threading.Condition()
+    taken = [0]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def session(i: int) -> None:
+        try:
+            with cluster.connect("bench", application_name=f"wake-{i}") as c:
+                while not stop.is_set():
+                    c.execute(acquire).fetchone()
+                    got = time.perf_counter()
+                    with cond:
+                        events.append((got, "got"))
+                        taken[0] += 1
+                        cond.notify_all()
+                    time.sleep(WAKE_HOLD)
+                    with cond:
+                        seen = taken[0]
+                    released = time.perf_counter()
+                    c.execute(release).fetchone()
+                    with cond:
+                        events.append((released, "released"))
+                        if taken[0] >= WAKE_SAMPLES + 20:
+                            stop.set()
+                        cond.wait_for(lambda: taken[0] > seen or stop.is_set())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            stop.set()
+        finally:
+            with cond:
+                cond.notify_all()
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)  # a woken thread gets the GIL at once, for every contender
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(waiters + 1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    if errors:
+        raise errors[0]
+    events.sort()
+    kinds = [k for _, k in events]
+    if kinds != ["got", "released"] * (len(kinds) // 2):
+        raise RuntimeError("two sessions held the one slot at once")
+    # The first 20 hand-offs warm up (connections, caches) and are left out.
+    lat = sorted(events[j + 1][0] - events[j][0] for j in range(41, len(events) - 1, 2))
+    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3  # noqa: E731
+    return {"p50_ms": pct(0.5), "p99_ms": pct(0.99), "samples": len(lat)}
+
+
+def bench_wake(cluster: Cluster) -> dict:
+    """Wake latency with 1 and with 64 waiters, each contender in turn."""
+    out: dict = {}
+    for waiters in (1, 64):
+        print(f"  wake latency: {waiters} waiter(s) on a cap of one slot", flush=True)
+        out[waiters] = {name: wake_latency(cluster, a, r, waiters)
+                        for name, (a, r) in WAKE_CONTENDERS.items()}
+    return out
 
 
 def idle_waiter_cpu(cluster: Cluster, count: int, seconds: float) -> float:
@@ -307,6 +397,15 @@ def targets(r: dict) -> list[tuple[str, float, str, bool]]:
                 w["fair_max_ms"] / w["fair_mean_ms"] <= 3))
     out.append(("CPU of 64 idle waiters (share of one core)", w["idle_cpu"] * 100, "< 2 %",
                 w["idle_cpu"] < 0.02))
+    floor = "PostgreSQL's blocking pg_advisory_lock (the floor)"
+    for waiters, got in r["wake"].items():
+        ours, pg = got["stage_e_slots"], got[floor]
+        for q, bound in (("p50", 0.5), ("p99", 5.0)):
+            v = ours[f"{q}_ms"]
+            out.append((f"wake latency {q}, {waiters} waiter(s)", v, f"<= {bound} ms",
+                        v <= bound))
+            out.append((f"wake latency {q}, {waiters} waiter(s), vs the floor",
+                        v / pg[f"{q}_ms"], "<= 1.5x", v / pg[f"{q}_ms"] <= 1.5))
     m = r["memory"]
     out.append(("shared memory per live cap (n = 8): entry + one 256 B block",
                 m["per_live_cap_n8"], "<= 1024 B", m["per_live_cap_n8"] <= 1024))
@@ -330,9 +429,20 @@ def report(r: dict) -> str:
     lines += ["", "| in-server pair (ns per acquire+release) | ns |", "| --- | ---: |"]
     for name, ns in r["inserver_ns"].items():
         lines.append(f"| {name} | {ns:,.0f} |")
+    h = r["waiting"]["handoff_tps"]
+    lines += ["", "| hand-off, 32 clients acquiring and releasing at once (tps) | tps | vs no "
+              "contention |", "| --- | ---: | ---: |"]
+    for name, tps in h.items():
+        lines.append(f"| {name} | {tps:,.0f} | {tps / h['no contention n=32']:.2f}x |")
+    lines += ["", "| wake latency, release to the waiter's return (ms) | 1 waiter p50 | p99 |"
+              " 64 waiters p50 | p99 |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name in r["wake"][1]:
+        lines.append(f"| {name} | " + " | ".join(
+            f"{r['wake'][w][name][q]:.3f}" for w in (1, 64) for q in ("p50_ms", "p99_ms")) + " |")
     lines += ["", "| target | measured | wanted | |", "| --- | ---: | ---: | --- |"]
     for name, v, want, ok in targets(r):
-        unit = " B" if want.endswith("B") else " %" if want.endswith("%") else "x"
+        unit = (" B" if want.endswith("B") else " %" if want.endswith("%") else
+                " ms" if want.endswith("ms") else "x")
         lines.append(f"| {name} | {v:.2f}{unit} | {want} | {'PASS' if ok else 'FAIL'} |")
     m = r["memory"]
     lines += ["", f"Shared memory at the defaults: {m['default_total'] / 1e6:.2f} MB in all; "
@@ -347,7 +457,7 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (a, b, w) = plt.subplots(1, 3, figsize=(19, 4.8))
     names = list(r["pairs"][1])
     width = 0.8 / len(names)
     for i, name in enumerate(names):
@@ -366,6 +476,19 @@ def plot(r: dict, path: Path) -> None:
     b.set_xlabel("throttled calls per second, 8 clients (log scale)")
     b.set_title("Throttled try: cost flat in n, counted for free")
     b.tick_params(axis="y", labelsize=8)
+    wake = r["wake"]
+    names = list(wake[1])
+    groups = [(w_, q) for w_ in (1, 64) for q in ("p50_ms", "p99_ms")]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(groups))]
+        w.bar(xs, [wake[w_][name][q] for w_, q in groups], width, label=name)
+    w.set_xticks(range(len(groups)),
+                 [f"{w_} waiter{'s' if w_ > 1 else ''}, {q[:3]}" for w_, q in groups])
+    w.set_yscale("log")
+    w.set_ylabel("ms from release to the waiter's return (log scale)")
+    w.set_title("Wake latency (lower is better)")
+    w.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -385,6 +508,7 @@ def main() -> int:
         r["throttled"] = bench_throttled(cluster)
         r["inserver_ns"] = bench_inserver(cluster)
         r["waiting"] = bench_waiting(cluster)
+        r["wake"] = bench_wake(cluster)
         cluster.settings.update({"stage_e_slots.max_slots": None})
         r["memory"] = memory_per_cap_and_slot(cluster)
     finally:
