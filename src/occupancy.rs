@@ -108,6 +108,25 @@ pub fn free_below(words: &[AtomicU64], n: u32) -> u32 {
         .sum()
 }
 
+/// How many waiters at the front of a queue may take slots now, front to back: waiter `i` asks
+/// for `k` of `[0, n)` as `front[i] = (n, k)`, and may take only while the slots free below the
+/// smallest `n` up to it cover its own `k` and those of everyone ahead (who may be taking at the
+/// same moment). So several waiters are served at once when several slots are free, and nobody
+/// overtakes a waiter ahead: whatever those behind take, enough is left for it. `free_below`
+/// counts free slots below an n; the prefix ends at the first waiter not covered.
+pub fn covered_front(front: &[(u32, u32)], free_below: impl Fn(u32) -> u32) -> usize {
+    let mut need = 0u32;
+    let mut min_n = u32::MAX;
+    for (i, &(n, k)) in front.iter().enumerate() {
+        need = need.saturating_add(k);
+        min_n = min_n.min(n);
+        if free_below(min_n) < need {
+            return i;
+        }
+    }
+    front.len()
+}
+
 #[cfg(test)]
 pub fn is_set(words: &[AtomicU64], slot: u32) -> bool {
     let (w, bit) = ((slot / WORD_BITS) as usize, slot % WORD_BITS);
@@ -179,6 +198,25 @@ mod unit {
         assert!(claim_first_free(&b, 199, 200).is_none());
         assert!(claim_first_free(&b, 200, 200).is_none());
         assert_eq!(claim_first_free(&b, 0, 200).unwrap().keep(), 0);
+    }
+
+    #[test]
+    fn covered_front_serves_in_order_and_never_past_a_waiter_ahead() {
+        let b = bitmap(8);
+        for _ in 0..5 {
+            claim_first_free(&b, 0, 8).unwrap().keep(); // slots 0..4 held, 5..7 free
+        }
+        let free = |n| free_below(&b, n);
+        // Three free: three waiters of one slot each are served at once, not a fourth.
+        assert_eq!(covered_front(&[(8, 1), (8, 1), (8, 1), (8, 1)], free), 3);
+        // A head asking for 3 takes them all; nobody behind it is served.
+        assert_eq!(covered_front(&[(8, 3), (8, 1)], free), 1);
+        // A head asking for 4 is not covered, and nobody behind it may take (no overtaking).
+        assert_eq!(covered_front(&[(8, 4), (8, 1)], free), 0);
+        // A head whose n reaches no free slot holds back those behind it with larger n.
+        assert_eq!(covered_front(&[(4, 1), (8, 1)], free), 0);
+        assert_eq!(covered_front(&[(8, 1), (6, 1), (8, 1)], free), 1);
+        assert_eq!(covered_front(&[], free), 0);
     }
 
     #[test]

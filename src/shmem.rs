@@ -7,7 +7,7 @@
 //! Header
 //! CapEntry × max_caps        a cap's fixed part: database, name, lock key, pin state, where its
 //!                            slots are, counters and flush bookkeeping, the waiters' queue and
-//!                            load averages (648 bytes)
+//!                            load averages (704 bytes)
 //! WaiterRecord × MaxBackends who waits for which cap (see "Waiting")
 //! 64 B × MaxBackends         one hazard slot per backend (see "Concurrency")
 //! u32 × index_len            the (database, name) → entry index (`directory`), 2 × max_caps rounded
@@ -24,9 +24,9 @@
 //! reclaimed caps serves caps of any size. `pages` is `stage_e_slots.slot_memory` rounded up to
 //! whole blocks of `max_slots` slots (at least one).
 //!
-//! **Budget** at the defaults (max_caps 4096, slot_memory 2 MB, max_slots 1024): 2.6 MB of
-//! entries (648 bytes each), 32 kB of index, a waiter record and a 64-byte hazard slot per
-//! backend, 2 MB of arena and 100 kB of allocator state: 4.9 MB in all (`make bench` measures
+//! **Budget** at the defaults (max_caps 4096, slot_memory 2 MB, max_slots 1024): 2.9 MB of
+//! entries (704 bytes each), 32 kB of index, a waiter record and a 64-byte hazard slot per
+//! backend, 2 MB of arena and 100 kB of allocator state: 5.1 MB in all (`make bench` measures
 //! it); 4,096 caps of n ≤ 15 fit at once (8,192 pages), or 64 caps of n = 1,024, or any mix.
 //!
 //! **Concurrency.** The hot path takes no LWLock: a backend finds a cap through its local cache
@@ -160,18 +160,30 @@ pub struct CapEntry {
     inflight_id: AtomicU64,
     /// Seqlock over carried/flushed/inflight: odd while the flusher updates them.
     version: AtomicU64,
-    /// Waiters (see "Waiting" below): how many, the next ticket, the ticket served now, and the
-    /// process holding it (woken by every release). Changed under the waits lock.
+    /// Waiters (see "Waiting" below): how many, the next ticket, and the first [`FRONT`] of
+    /// them in ticket order (the ones that may take slots). Changed under the waits lock.
     waiters: AtomicU32,
     _pad: u32,
     tail: AtomicU64,
-    head: AtomicU64,
-    head_proc: AtomicPtr<pg_sys::PGPROC>,
+    front: [Seat; FRONT],
     /// Load averages over 1, 5 and 15 minutes (f64 bits), written by the launcher only.
     load_held: [AtomicU64; 3],
     load_throttles: [AtomicU64; 3],
     load_last_throttled: AtomicU64,
     load_last_us: AtomicI64,
+}
+
+/// How many waiters at the front of a cap's queue may take slots at the same time.
+const FRONT: usize = 4;
+
+/// A waiter at the front of a cap's queue: its process (null = an empty seat), its ticket and
+/// what it asks for. Written under the waits lock, read without it by the release path.
+#[repr(C)]
+struct Seat {
+    proc_: AtomicPtr<pg_sys::PGPROC>,
+    ticket: AtomicU64,
+    n: AtomicU32,
+    k: AtomicU32,
 }
 
 /// A backend waiting for slots of a cap, in the shared list of waiters (one per backend at
@@ -1310,13 +1322,21 @@ pub fn launcher_wakeup(register: bool) -> bool {
 
 // -- Waiting ---------------------------------------------------------------------------------
 //
-// A cap's waiters form a FIFO queue of tickets: a waiter takes the next ticket (`tail`) and may
-// take slots only while its ticket is the one served (`head`), so waiters get slots in arrival
-// order and one asking for k slots at the head is not overtaken by smaller requests behind it.
-// Every release of a cap with waiters sets the latch of the process at the head
-// (`head_proc`); a head that leaves (served, timed out, cancelled, exited) hands the head to
-// the next ticket and sets its latch. Queue changes take the waits LWLock; the wake-up on the
-// release path is two atomic loads and a SetLatch.
+// A cap's waiters form a FIFO queue of tickets (`tail` is the next one). The first [`FRONT`]
+// of them, in ticket order, sit in the entry's `front` seats, and only they take slots: the
+// waiter in a seat only while the free slots cover its k and the k of every seat ahead of it
+// (`occupancy::covered_front`). So waiters get slots in arrival order, one asking for k slots
+// at the head is not overtaken by smaller requests behind it, and when several slots free at
+// once several waiters are served at once, not one after the other as each is scheduled.
+// Every release of a cap with waiters sets the latch of the head and of each seat the free
+// slots cover; a waiter that leaves the front (served, timed out, cancelled, exited) moves the
+// seats behind it up, seats the next waiter and wakes the seats now covered. Queue changes take
+// the waits LWLock; the release path reads the seats without it.
+//
+// No wake-up is lost: a releaser clears its bit and then reads the seats; a waiter publishes
+// its seat and then reads the bits, and a seat change is published before the bits are read to
+// wake the covered seats; all SeqCst, so of each pair, one sees the other. A torn read of seats
+// being moved can only wake someone in vain or miss someone whom the mover then wakes.
 
 /// This backend's place in a cap's queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1340,23 +1360,26 @@ impl Cap {
         self.entry.waiters.load(Ordering::SeqCst)
     }
 
-    /// Whether `t` is the ticket being served.
-    pub fn is_head(&self, t: Ticket) -> bool {
-        self.entry.head.load(Ordering::SeqCst) == t.ticket
+    /// Whether the waiter holding `t` is at the front and the free slots cover it and every
+    /// seat ahead of it (who may be taking at this moment).
+    pub fn may_take(&self, t: Ticket) -> bool {
+        let seats = locked_by(&WAITS_LOCK, SHARED, || self.entry.seats());
+        let Some(place) = seats.iter().position(|s| s.ticket == t.ticket) else {
+            return false;
+        };
+        let asks: Vec<(u32, u32)> = seats[..=place].iter().map(|s| (s.n, s.k)).collect();
+        let bits = self.bits();
+        occupancy::covered_front(&asks, |n| occupancy::free_below(bits, n)) > place
     }
 
-    /// Sets the latch of the waiter at the head, if any (after freeing a slot). The SeqCst
-    /// loads pair with the waiter's SeqCst increment, so a waiter that missed the freed bit is
-    /// seen here, and woken.
-    pub fn wake_head(&self) {
+    /// After freeing slots: sets the latch of the head, and of every seat behind it that the
+    /// free slots cover. The SeqCst loads pair with a waiter's SeqCst seat, so a waiter that
+    /// missed the freed bit is seen here, and woken.
+    pub fn wake_front(&self) {
         if self.entry.waiters.load(Ordering::SeqCst) == 0 {
             return;
         }
-        let p = self.entry.head_proc.load(Ordering::SeqCst);
-        if !p.is_null() {
-            // SAFETY: a PGPROC lives for the server's lifetime; a stale one is woken in vain.
-            unsafe { pg_sys::SetLatch(&raw mut (*p).procLatch) };
-        }
+        wake_covered(self.entry, self.bits(), true);
     }
 
     /// Joins the cap's queue; None if the list of waiters is full (it has a record for every
@@ -1381,17 +1404,81 @@ impl Cap {
             w.since.store(since, Ordering::Relaxed);
             w.proc_.store(me, Ordering::Relaxed);
             w.active.store(1, Ordering::Release);
-            if e.waiters.fetch_add(1, Ordering::SeqCst) == 0 {
-                e.head.store(ticket, Ordering::SeqCst);
-                e.head_proc.store(me, Ordering::SeqCst);
+            // The seats hold the first min(waiters, FRONT) waiters, so a newcomer's seat, if
+            // any, is the first empty one.
+            let before = e.waiters.fetch_add(1, Ordering::SeqCst) as usize;
+            if let Some(seat) = e.front.get(before) {
+                seat.fill(me, ticket, n, k);
             }
             Some(Ticket { record, ticket })
         })
     }
 }
 
+/// A front seat as read under the waits lock.
+#[derive(Clone, Copy)]
+struct SeatCopy {
+    ticket: u64,
+    n: u32,
+    k: u32,
+}
+
+impl Seat {
+    /// Publishes a waiter in this seat: its process last, so a reader that sees the process
+    /// sees what it asks for.
+    fn fill(&self, p: *mut pg_sys::PGPROC, ticket: u64, n: u32, k: u32) {
+        self.ticket.store(ticket, Ordering::SeqCst);
+        self.n.store(n, Ordering::SeqCst);
+        self.k.store(k, Ordering::SeqCst);
+        self.proc_.store(p, Ordering::SeqCst);
+    }
+}
+
+impl CapEntry {
+    /// The occupied front seats, head first (under the waits lock).
+    fn seats(&self) -> Vec<SeatCopy> {
+        self.front
+            .iter()
+            .take_while(|s| !s.proc_.load(Ordering::SeqCst).is_null())
+            .map(|s| SeatCopy {
+                ticket: s.ticket.load(Ordering::SeqCst),
+                n: s.n.load(Ordering::SeqCst),
+                k: s.k.load(Ordering::SeqCst),
+            })
+            .collect()
+    }
+}
+
+/// Sets the latches of the front seats of `e` that the free slots in `bits` cover, and with
+/// `head` the head's in any case (a release wakes it, as PostgreSQL's lock manager would).
+fn wake_covered(e: &CapEntry, bits: &[AtomicU64], head: bool) {
+    let mut asks = [(0u32, 0u32); FRONT];
+    let mut procs = [std::ptr::null_mut::<pg_sys::PGPROC>(); FRONT];
+    let mut seated = 0;
+    for seat in &e.front {
+        let p = seat.proc_.load(Ordering::SeqCst);
+        if p.is_null() {
+            break;
+        }
+        asks[seated] = (seat.n.load(Ordering::SeqCst), seat.k.load(Ordering::SeqCst));
+        procs[seated] = p;
+        seated += 1;
+    }
+    let covered = occupancy::covered_front(&asks[..seated], |n| occupancy::free_below(bits, n));
+    let wake = if head {
+        covered.max(seated.min(1))
+    } else {
+        covered
+    };
+    for &p in &procs[..wake] {
+        // SAFETY: a PGPROC lives for the server's lifetime; a stale one is woken in vain.
+        unsafe { pg_sys::SetLatch(&raw mut (*p).procLatch) };
+    }
+}
+
 /// Leaves the queue of the cap in entry `cap.entry` (no pin needed: a cap with waiters is
-/// never reclaimed). If `t` was at the head, the next waiter gets it and is woken.
+/// never reclaimed). If `t` had a front seat, the seats behind it move up, the next waiter is
+/// seated, and the seats the free slots now cover are woken.
 pub fn dequeue(cap: CapRef, t: Ticket) {
     let Some(seg) = segment() else { return };
     let e = seg.entry(cap.entry);
@@ -1402,40 +1489,33 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
         }
         w.active.store(0, Ordering::Release);
         e.waiters.fetch_sub(1, Ordering::SeqCst);
-        if e.head.load(Ordering::SeqCst) != t.ticket {
+        if !e.seats().iter().any(|s| s.ticket == t.ticket) {
             return;
         }
-        let next = seg
+        let mut queue: Vec<&WaiterRecord> = seg
             .waiters
             .iter()
             .filter(|o| {
                 o.active.load(Ordering::Relaxed) == 1
                     && o.entry.load(Ordering::Relaxed) == cap.entry
             })
-            .min_by_key(|o| o.ticket.load(Ordering::Relaxed));
-        match next {
-            Some(o) => {
-                let p = o.proc_.load(Ordering::Relaxed);
-                e.head
-                    .store(o.ticket.load(Ordering::Relaxed), Ordering::SeqCst);
-                e.head_proc.store(p, Ordering::SeqCst);
-                // Wake the new head only if its slots may be free now: otherwise the release
-                // that frees them wakes it (it reads head_proc after clearing its bit, and the
-                // bits are read here after head_proc was set, so one of the two sees the
-                // other). Waking it in vain would cost every hand-off a second context switch.
-                let (_, bits) = seg.block(e);
-                let want = o.k.load(Ordering::Relaxed);
-                if occupancy::free_below(bits, o.n.load(Ordering::Relaxed)) >= want {
-                    // SAFETY: as in wake_head.
-                    unsafe { pg_sys::SetLatch(&raw mut (*p).procLatch) };
-                }
-            }
-            None => {
-                e.head
-                    .store(e.tail.load(Ordering::SeqCst), Ordering::SeqCst);
-                e.head_proc.store(std::ptr::null_mut(), Ordering::SeqCst);
+            .collect();
+        queue.sort_by_key(|o| o.ticket.load(Ordering::Relaxed));
+        for (i, seat) in e.front.iter().enumerate() {
+            match queue.get(i) {
+                Some(o) => seat.fill(
+                    o.proc_.load(Ordering::Relaxed),
+                    o.ticket.load(Ordering::Relaxed),
+                    o.n.load(Ordering::Relaxed),
+                    o.k.load(Ordering::Relaxed),
+                ),
+                None => seat.proc_.store(std::ptr::null_mut(), Ordering::SeqCst),
             }
         }
+        // Only the seats whose slots may be free now: the release that frees the others' wakes
+        // them. Waking in vain would cost every hand-off a second context switch.
+        let (_, bits) = seg.block(e);
+        wake_covered(e, bits, false);
     });
 }
 

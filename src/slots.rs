@@ -213,8 +213,9 @@ impl Taken {
 /// of `[0, n)`, all or none; waiting up to `wait` for them, in arrival order.
 ///
 /// Fairness: while a cap has waiters, a call that does not wait is throttled without looking,
-/// and a call that waits queues behind them; only the waiter at the head takes slots. So a
-/// waiter gets its slots from the very next releases, whatever the traffic of non-waiting tries.
+/// and a call that waits queues behind them; only waiters at the front of the queue take slots,
+/// each only when the free slots cover it and everyone ahead of it. So a waiter gets its slots
+/// from the very next releases, whatever the traffic of non-waiting tries.
 pub fn try_slots(
     cap: Option<&str>,
     n: Option<i32>,
@@ -276,9 +277,9 @@ fn wait_in_line(
     loop {
         waiting::reset_latch();
         let cap = shmem::pin(place).expect("a cap with waiters is never reclaimed");
-        if cap.is_head(ticket) {
+        if cap.may_take(ticket) {
             if let Some(got) = take(&cap, n, k, waiting::now()) {
-                drop(queued); // hands the head to the next waiter, and wakes it
+                drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
                 counters.bump(Counter::WaitTime, waited());
                 return Ok(Some(got));
@@ -313,8 +314,10 @@ fn take(cap: &Cap, n: u32, k: u32, at: i64) -> Option<Taken> {
     if got.len() == k as usize {
         return Some(Taken::Many(got));
     }
-    // Not all of them: give back the ones taken, as if never taken (nothing is counted, and
-    // nobody is woken: only the head of a queue takes slots, and that may be this very call).
+    // Not all of them: give back the ones taken, as if never taken (nothing is counted). Nobody
+    // is woken: the free slots covered this call and those ahead of it, so what failed it is a
+    // raw lock the bitmap cannot see, and waking the others would only make them fail the same
+    // way and wake us back, round and round; the next release or recheck serves them.
     let key = cap.key();
     for slot in got {
         locks::unlock(key, slot);
@@ -377,7 +380,7 @@ fn forget(near: Option<&Cap>, held: Held, released_at: Option<i64>) {
         let acquired_at = record.get().1;
         record.clear();
         occupancy::clear(cap.bits(), held.slot);
-        cap.wake_head();
+        cap.wake_front();
         if let Some(now) = released_at.filter(|_| acquired_at != 0) {
             cap.counters()
                 .bump(Counter::HoldTime, (now - acquired_at).max(0) as u64);

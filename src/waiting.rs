@@ -1,8 +1,8 @@
 //! Waiting for a slot: this backend's sleep on its latch, with a timeout, the wait event that
 //! `pg_stat_activity` shows, and the answers to interrupts while asleep.
 //!
-//! A waiter sleeps on its own latch, set by a release of its cap while it is at the head of
-//! the queue (`shmem`'s "Waiting"), and wakes at least every [`RECHECK`] to look again: the only
+//! A waiter sleeps on its own latch, set by a release of its cap while it is at the front of
+//! the queue and covered by the free slots (`shmem`'s "Waiting"), and wakes at least every [`RECHECK`] to look again: the only
 //! wake-up the extension cannot send is for a slot freed by a raw `pg_advisory_unlock`.
 //! Interrupts are answered as everywhere in Postgres: `CHECK_FOR_INTERRUPTS` after each sleep
 //! raises the ERROR of a cancel or `statement_timeout` (the queue guard then leaves the queue

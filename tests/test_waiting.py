@@ -168,6 +168,35 @@ def test_a_head_waiting_for_k_slots_is_not_overtaken(connect):
     assert len(cap_locks(observer, "k")) == 4
 
 
+def test_slots_freed_together_serve_the_waiters_behind_a_head_not_yet_running(connect):
+    """Two slots freed at once serve the first two waiters at once: the second does not wait
+    for the head to be scheduled (here it is stopped), and the third, not covered, waits."""
+    holder, observer = connect("holder"), connect("observer")
+    assert [one(holder, "SELECT stage_e_try_slot('fan', 3)") for _ in range(3)] == [0, 1, 2]
+    ws = []
+    for i in range(3):
+        w = Waiter(connect(f"w{i}"), "SELECT stage_e_try_slot('fan', 3, '30 s')")
+        queued(observer, w, "fan", i + 1)
+        ws.append(w)
+    head, second, third = ws
+    os.kill(head.pid, signal.SIGSTOP)
+    try:
+        assert one(holder, "SELECT stage_e_release('fan', 0) AND stage_e_release('fan', 1)")
+        got = second.wait(5).result
+        assert got in (0, 1)
+        time.sleep(0.3)  # several rechecks: the slot left is the head's, not the third's
+        assert not third.done.is_set() and not head.done.is_set()
+        assert [s for s, _ in cap_locks(observer, "fan")] == sorted([2, got])
+    finally:
+        os.kill(head.pid, signal.SIGCONT)
+    assert head.wait().result == 1 - got
+    assert not third.done.is_set()
+    assert one(holder, "SELECT stage_e_release('fan', 2)") is True
+    assert third.wait().result == 2
+    assert cap_locks(observer, "fan") == sorted(
+        [(head.result, head.pid), (got, second.pid), (2, third.pid)])
+
+
 def test_a_waiter_wins_against_continuous_tries_at_the_first_release(connect):
     holder, observer = connect("holder"), connect("observer")
     assert one(holder, "SELECT stage_e_try_slot('busy', 1)") == 0
