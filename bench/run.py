@@ -19,6 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "scripts"))
+from pgbouncer import PgBouncer  # noqa: E402
 from pgcluster import Cluster, bindir  # noqa: E402
 
 KEY = 20260725
@@ -30,15 +31,22 @@ CAPS = 1000
 RESULTS = HERE / "results"
 
 
-def pgbench(cluster: Cluster, script: str, clients: int, **variables) -> float:
+def pgbench(cluster: Cluster | PgBouncer, script: str, clients: int, **variables) -> float:
     return pgbench_run(cluster, script, clients, **variables)[0]
 
 
-def pgbench_run(cluster: Cluster, script: str, clients: int, **variables) -> tuple[float, int]:
-    """(tps, transactions processed) of one pgbench run."""
-    cmd = [str(bindir() / "pgbench"), "-n", "-M", PROTOCOL, "-f", str(HERE / script), "-c", str(clients),
-           "-j", str(min(clients, 2)), "-T", str(SECONDS), "-h", str(cluster.base),
-           "-p", str(cluster.port), "-U", "postgres", "-D", f"key={KEY}"]
+def pgbench_run(cluster: Cluster | PgBouncer, script: str, clients: int,
+                **variables) -> tuple[float, int]:
+    """(tps, transactions processed) of one pgbench run, against the cluster or through a
+    PgBouncer (then with the extended protocol's unnamed statements, which a transaction pooler
+    passes through, as psycopg with prepare_threshold=None sends)."""
+    if isinstance(cluster, PgBouncer):
+        where = ["-M", "extended", "-h", "127.0.0.1", "-p", str(cluster.port)]
+    else:
+        where = ["-M", PROTOCOL, "-h", str(cluster.base), "-p", str(cluster.port)]
+    cmd = [str(bindir() / "pgbench"), "-n", *where, "-f", str(HERE / script),
+           "-c", str(clients), "-j", str(min(clients, 2)), "-T", str(SECONDS),
+           "-U", "postgres", "-D", f"key={KEY}"]
     for k, v in variables.items():
         cmd += ["-D", f"{k}={v}"]
     out = subprocess.run(cmd + ["bench"], capture_output=True, text=True)
@@ -295,6 +303,30 @@ def bench_wake(cluster: Cluster) -> dict:
     return out
 
 
+def bench_leases(cluster: Cluster) -> dict:
+    """A lease taken and released by token against a session slot's pair, directly; and
+    through PgBouncer in transaction mode (8 clients over 4 server connections), against two
+    `SELECT 1` statements through it."""
+    print("  lease pair against the session-slot pair, 8 clients, direct", flush=True)
+    direct = rounds({
+        "session slot pair": lambda: pgbench(cluster, "pair_stage_e_named.sql", 8, n=64),
+        "lease pair": lambda: pgbench(cluster, "pair_lease.sql", 8, n=64),
+    })
+    print("  lease pair against two SELECT 1, 8 clients through PgBouncer (transaction mode, "
+          "4 server connections)", flush=True)
+    with PgBouncer(cluster, pool_mode="transaction", pool_size=4) as bouncer:
+        pooled = rounds({
+            "two SELECT 1 through PgBouncer": lambda: pgbench(bouncer, "pair_select1.sql", 8),
+            "lease pair through PgBouncer": lambda: pgbench(bouncer, "pair_lease.sql", 8, n=64),
+        })
+    with cluster.connect("bench") as c:
+        left = c.execute("SELECT count(*) FROM stage_e_slot_holders WHERE cap = 'leases'"
+                         ).fetchone()[0]
+    if left:
+        raise RuntimeError(f"{left} leases left behind by the lease pairs")
+    return {"direct": direct, "pgbouncer": pooled}
+
+
 def idle_waiter_cpu(cluster: Cluster, count: int, seconds: float) -> float:
     """The fraction of one core `count` waiting backends use while nothing frees."""
     holder = cluster.connect("bench", application_name="idle-holder")
@@ -406,6 +438,13 @@ def targets(r: dict) -> list[tuple[str, float, str, bool]]:
                         v <= bound))
             out.append((f"wake latency {q}, {waiters} waiter(s), vs the floor",
                         v / pg[f"{q}_ms"], "<= 1.5x", v / pg[f"{q}_ms"] <= 1.5))
+    le = r["leases"]
+    ratio = le["direct"]["lease pair"] / le["direct"]["session slot pair"]
+    out.append(("lease pair vs session-slot pair, 8 clients, direct", ratio, ">= 0.8x",
+                ratio >= 0.8))
+    ratio = (le["pgbouncer"]["lease pair through PgBouncer"]
+             / le["pgbouncer"]["two SELECT 1 through PgBouncer"])
+    out.append(("lease pair vs two SELECT 1, through PgBouncer", ratio, ">= 0.5x", ratio >= 0.5))
     m = r["memory"]
     out.append(("shared memory per live cap (n = 8): entry + one 256 B block",
                 m["per_live_cap_n8"], "<= 1024 B", m["per_live_cap_n8"] <= 1024))
@@ -439,6 +478,10 @@ def report(r: dict) -> str:
     for name in r["wake"][1]:
         lines.append(f"| {name} | " + " | ".join(
             f"{r['wake'][w][name][q]:.3f}" for w in (1, 64) for q in ("p50_ms", "p99_ms")) + " |")
+    lines += ["", "| leases, 8 clients (pairs per second) | tps |", "| --- | ---: |"]
+    for where in ("direct", "pgbouncer"):
+        for name, tps in r["leases"][where].items():
+            lines.append(f"| {name} | {tps:,.0f} |")
     lines += ["", "| target | measured | wanted | |", "| --- | ---: | ---: | --- |"]
     for name, v, want, ok in targets(r):
         unit = (" B" if want.endswith("B") else " %" if want.endswith("%") else
@@ -509,6 +552,7 @@ def main() -> int:
         r["inserver_ns"] = bench_inserver(cluster)
         r["waiting"] = bench_waiting(cluster)
         r["wake"] = bench_wake(cluster)
+        r["leases"] = bench_leases(cluster)
         cluster.settings.update({"stage_e_slots.max_slots": None})
         r["memory"] = memory_per_cap_and_slot(cluster)
     finally:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building, testing and demonstrating stage_e_slots needs, skipping what is there:
-# Debian packages (PostgreSQL 15 and its headers, clang for bindgen, sudo for pgrx's --runas),
-# cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major in use, and a Python venv with
-# psycopg, pytest, matplotlib, Django and django-q2. As a non-root user it only lists what is
-# missing. Usage: install-deps.sh [MAJOR [PG_CONFIG]]
+# Debian packages (PostgreSQL 15 and its headers, clang for bindgen, sudo for pgrx's --runas,
+# pgbouncer for the pooler tests, gdb to pause a worker in one lease test), cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major
+# in use, and a Python venv with psycopg, pytest, matplotlib, Django and django-q2. As a
+# non-root user it only lists what is missing. Usage: install-deps.sh [MAJOR [PG_CONFIG]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,7 +11,7 @@ MAJOR=${1:-15}
 PG15_CONFIG=/usr/lib/postgresql/15/bin/pg_config
 PG_CONFIG=${2:-$PG15_CONFIG}
 PGRX_VERSION=0.18.1
-PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3-venv)
+PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3-venv pgbouncer gdb)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -32,6 +32,14 @@ if ((${#missing[@]})); then
   echo "==> apt-get install ${missing[*]}"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  if [[ " ${missing[*]} " == *" pgbouncer "* ]]; then
+    # Debian's package starts a system pgbouncer on port 6432 and enables it at boot; the tests
+    # start their own (scripts/pgbouncer.py), so stop and disable the one we just installed.
+    echo "==> stopping and disabling the pgbouncer service the package started"
+    systemctl disable pgbouncer >/dev/null 2>&1 || true
+    update-rc.d pgbouncer disable >/dev/null 2>&1 || true
+    service pgbouncer stop >/dev/null 2>&1 || true
+  fi
 fi
 
 if ! cargo pgrx --version 2>/dev/null | grep -q " $PGRX_VERSION"; then

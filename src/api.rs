@@ -1,4 +1,4 @@
-//! The SQL surface of 0.2.0: each function translates arguments, calls `slots` or `flush`, and
+//! The SQL surface of 0.4.0: each function translates arguments, calls `slots` or `flush`, and
 //! maps errors (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are
 //! refused in parallel workers). Arguments are `Option` so a NULL reaches us and becomes a
 //! class-22 ERROR rather than a silent NULL from a STRICT function. The one-argument forms are
@@ -7,7 +7,10 @@
 
 use crate::counters::CounterValues;
 use crate::directory::DEFAULT_CAP;
-use crate::errors::{raise, raise_flush, raise_internal, raise_not_installed, warn_not_held};
+use crate::errors::{
+    raise, raise_flush, raise_internal, raise_not_installed, warn_expired, warn_not_current,
+    warn_not_held,
+};
 use crate::flush::{self, Write};
 use crate::gucs;
 use crate::shmem;
@@ -37,7 +40,7 @@ macro_rules! counter_table_fn {
 }
 
 /// A counter as SQL shows it: a count as bigint, a time (microseconds) as interval.
-trait FromCounter {
+pub trait FromCounter {
     fn from_counter(v: u64) -> Self;
 }
 
@@ -97,19 +100,30 @@ fn stage_e_try_slots(
     try_slots(cap, n, k, wait)
 }
 
+fn to_wait(wait: Option<Interval>) -> Wait {
+    wait.ok_or(SlotError::NullArgument { name: "wait" })
+        .and_then(|w| {
+            Wait::from_interval(w.months(), w.days(), w.micros()).ok_or(SlotError::NegativeWait)
+        })
+        .unwrap_or_else(|e| raise(e))
+}
+
+/// An interval as microseconds (a month as 30 days, as PostgreSQL's interval arithmetic
+/// does); saturating, so 'infinity' is a very long time.
+fn to_micros(i: Interval) -> i64 {
+    let us = i.micros() as i128
+        + i.days() as i128 * 86_400_000_000
+        + i.months() as i128 * 2_592_000_000_000;
+    us.clamp(i64::MIN as i128, i64::MAX as i128) as i64
+}
+
 fn try_slots(
     cap: Option<&str>,
     n: Option<i32>,
     k: Option<i32>,
     wait: Option<Interval>,
 ) -> Option<Vec<i32>> {
-    let wait = wait
-        .ok_or(SlotError::NullArgument { name: "wait" })
-        .and_then(|w| {
-            Wait::from_interval(w.months(), w.days(), w.micros()).ok_or(SlotError::NegativeWait)
-        })
-        .unwrap_or_else(|e| raise(e));
-    slots::try_slots(cap, n, k, wait)
+    slots::try_slots(cap, n, k, to_wait(wait))
         .unwrap_or_else(|e| raise(e))
         .map(|t| t.into_vec().into_iter().map(|s| s as i32).collect())
 }
@@ -168,6 +182,94 @@ fn stage_e_holding_cap(cap: Option<&str>, slot: Option<i32>) -> bool {
     slots::holding(cap, slot).unwrap_or_else(|e| raise(e))
 }
 
+// -- leases and tokens ---------------------------------------------------------------------------
+
+extension_sql!(
+    "CREATE TYPE stage_e_lease_slot AS (slot integer, token bigint);\n\
+     COMMENT ON TYPE stage_e_lease_slot IS 'A leased slot and its fencing token.';",
+    name = "lease_slot_type",
+    bootstrap
+);
+
+/// A slot of `[0, n)` of cap `cap` held by a token for `ttl` (not by this session, so it
+/// survives transaction poolers): `(slot, token)`, or NULL when all n are taken after waiting
+/// up to `wait`. Renew it with stage_e_renew, free it with stage_e_release_lease.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_lease(
+    cap: Option<&str>,
+    n: Option<i32>,
+    ttl: Option<Interval>,
+    wait: default!(Option<Interval>, "'0'"),
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> Option<pgrx::composite_type!('static, "stage_e_lease_slot")> {
+    let wait = to_wait(wait);
+    let got = slots::lease(cap, n, ttl.map(to_micros), wait).unwrap_or_else(|e| raise(e))?;
+    // The result type is this function's own (in the extension's schema), found through the
+    // call rather than by name, so search_path plays no part.
+    // SAFETY: fcinfo and its flinfo are the live call's; get_func_rettype reads the syscache.
+    let type_oid = unsafe { pg_sys::get_func_rettype((*(*fcinfo).flinfo).fn_oid) };
+    let desc = pgrx::PgTupleDesc::for_composite_type_by_oid(type_oid)
+        .unwrap_or_else(|| raise_internal("stage_e_lease's result type is not a row".into()));
+    let values = [
+        (got.slot as i32).into_datum(),
+        (got.token as i64).into_datum(),
+    ];
+    // SAFETY: two datums for the type's two attributes (slot integer, token bigint), by value.
+    let row = unsafe { PgHeapTuple::from_datums(desc, values) }
+        .unwrap_or_else(|e| raise_internal(format!("stage_e_lease's result: {e}")));
+    Some(row)
+}
+
+/// Extends the live lease of `slot` of `cap` to `ttl` from now, if `token` is its current
+/// one; false with a WARNING when it expired or the token is not the slot's current one.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_renew(
+    cap: Option<&str>,
+    slot: Option<i32>,
+    token: Option<i64>,
+    ttl: Option<Interval>,
+) -> bool {
+    settle_lease("stage_e_renew", cap, slot, token, Some(ttl.map(to_micros)))
+}
+
+/// Frees the lease of `slot` of `cap` if `token` is its current one; false with a WARNING
+/// (and a foreign release counted) otherwise, so a stale holder never frees a later one's slot.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_release_lease(cap: Option<&str>, slot: Option<i32>, token: Option<i64>) -> bool {
+    settle_lease("stage_e_release_lease", cap, slot, token, None)
+}
+
+fn settle_lease(
+    what: &str,
+    cap: Option<&str>,
+    slot: Option<i32>,
+    token: Option<i64>,
+    ttl_us: Option<Option<i64>>,
+) -> bool {
+    let name = cap.unwrap_or_default();
+    let s = slot.unwrap_or_default();
+    match slots::settle_lease(cap, slot, token, ttl_us).unwrap_or_else(|e| raise(e)) {
+        slots::LeaseOutcome::Done => true,
+        slots::LeaseOutcome::Expired { held_us } => {
+            warn_expired(what, name, s, held_us);
+            false
+        }
+        slots::LeaseOutcome::NotCurrent { current } => {
+            warn_not_current(what, name, s, current);
+            false
+        }
+    }
+}
+
+/// The fencing token of slot `slot` of `cap` if this session holds it (NULL otherwise): larger
+/// than every earlier token of the cap, leases included, also across restarts.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_slot_token(cap: Option<&str>, slot: Option<i32>) -> Option<i64> {
+    slots::slot_token(cap, slot)
+        .unwrap_or_else(|e| raise(e))
+        .map(|t| t as i64)
+}
+
 /// The first int4 of the advisory locks of `cap`: slot s of the cap is the lock
 /// `(stage_e_cap_key(cap), s)`. The same on every server and after every restart.
 #[pg_extern(stable, parallel_safe)]
@@ -181,7 +283,7 @@ for_each_counter!(counter_table_fn,
     /// One row per cap in use in the current database: counters since the cap was created,
     /// and the slots held now (from the lock manager).
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
-    fn stage_e_stats_v3() -> (cap: String, max_slots: i32, held: i32) {
+    fn stage_e_stats_v4() -> (cap: String, max_slots: i32, held: i32) {
         let max_slots = gucs::max_slots() as i32;
         slots::stats()
             .unwrap_or_else(|e| raise(e))
@@ -191,23 +293,32 @@ for_each_counter!(counter_table_fn,
     }
 );
 
-/// Held slots of the current database (lock manager truth); the view adds session columns.
+/// Held slots of the current database (lock manager truth) and leases (with their token and
+/// expiry); the view adds session columns.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_slot_holders_internal")]
-fn stage_e_slot_holders_internal_v2() -> TableIterator<
+#[allow(clippy::type_complexity)]
+fn stage_e_slot_holders_internal_v3() -> TableIterator<
     'static,
     (
         name!(cap, String),
         name!(slot, i32),
         name!(pid, i32),
         name!(acquired_at, Option<TimestampWithTimeZone>),
+        name!(token, Option<i64>),
+        name!(expires_at, Option<TimestampWithTimeZone>),
     ),
 > {
     let rows = slots::holders().unwrap_or_else(|e| raise(e));
-    TableIterator::new(rows.into_iter().map(|h| {
-        let at = h
-            .acquired_at
-            .and_then(|t| TimestampWithTimeZone::try_from(t).ok());
-        (h.cap, h.slot as i32, h.pid, at)
+    let at = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
+    TableIterator::new(rows.into_iter().map(move |h| {
+        (
+            h.cap,
+            h.slot as i32,
+            h.pid,
+            at(h.acquired_at),
+            h.token.map(|t| t as i64),
+            at(h.expires_at),
+        )
     }))
 }
 
@@ -215,7 +326,7 @@ for_each_counter!(counter_table_fn,
     /// Adds every cap's pending counts to its stage_e_throttle_counter row now; returns what it
     /// added, per cap. Restricted (EXECUTE revoked from PUBLIC): superusers and the owner.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_flush")]
-    fn stage_e_flush_v3() -> (cap: String) {
+    fn stage_e_flush_v4() -> (cap: String) {
         slots::ready().unwrap_or_else(|e| raise(e));
         flush::flush(Write::Add, None, true)
             .unwrap_or_else(|e| raise_flush(e))
@@ -265,7 +376,7 @@ for_each_counter!(counter_table_fn,
     /// the rows the caller read (the view passes it) so that a flush committing at that moment
     /// is not counted twice.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_pending")]
-    fn stage_e_pending_v3(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
+    fn stage_e_pending_v4(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
         slots::attached().unwrap_or_else(|e| raise(e));
         flush::pending(row_flush_id)
             .into_iter()
@@ -333,6 +444,7 @@ struct SnapshotConfig {
     lock_key: i32,
     max_caps: u32,
     slot_memory_kb: u64,
+    max_leases: u32,
     flush_interval_ms: u64,
 }
 
@@ -364,6 +476,9 @@ struct SnapshotHolder {
     acquired_at: Option<String>,
     application_name: Option<String>,
     state: Option<String>,
+    /// A lease's token and expiry (null for a session slot).
+    token: Option<i64>,
+    expires_at: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -390,6 +505,12 @@ pub fn snapshot_document() -> serde_json::Value {
         raise_not_installed()
     };
     let schema = &ext.schema;
+    // Before 0.4.0 the holders view has no lease columns.
+    let lease_cols = if ext.has_leases() {
+        "token, expires_at::pg_catalog.text"
+    } else {
+        "NULL::pg_catalog.int8, NULL::pg_catalog.text"
+    };
     // A database still at 0.1.0 has one row and no cap column: it is the cap `default`.
     let cap_col = if ext.at_0_1_0() {
         "'default'::pg_catalog.text"
@@ -441,7 +562,8 @@ pub fn snapshot_document() -> serde_json::Value {
             .select(
                 &format!(
                     "SELECT {cap_col}, slot, pid, acquired_at::pg_catalog.text, \
-                            application_name, state FROM {schema}.stage_e_slot_holders"
+                            application_name, state, {lease_cols} \
+                       FROM {schema}.stage_e_slot_holders"
                 ),
                 None,
                 &[],
@@ -454,6 +576,8 @@ pub fn snapshot_document() -> serde_json::Value {
                     acquired_at: r.get::<String>(4)?,
                     application_name: r.get::<String>(5)?,
                     state: r.get::<String>(6)?,
+                    token: r.get::<i64>(7)?,
+                    expires_at: r.get::<String>(8)?,
                 })
             })
             .collect::<Result<Vec<_>, pgrx::spi::Error>>()?;
@@ -495,6 +619,7 @@ pub fn snapshot_document() -> serde_json::Value {
             lock_key: gucs::lock_key(),
             max_caps: gucs::max_caps(),
             slot_memory_kb: gucs::slot_memory_bytes() as u64 / 1024,
+            max_leases: gucs::max_leases(),
             flush_interval_ms: gucs::flush_interval().as_millis() as u64,
         },
         memory: SnapshotMemory {
@@ -520,8 +645,8 @@ extension_sql_file!(
     name = "views",
     requires = [
         "counter_table",
-        stage_e_pending_v3,
-        stage_e_slot_holders_internal_v2,
+        stage_e_pending_v4,
+        stage_e_slot_holders_internal_v3,
         stage_e_slot_waiters_internal,
         stage_e_cap_load_internal
     ],
@@ -531,7 +656,7 @@ extension_sql_file!(
     "../sql/schema/privileges.sql",
     name = "privileges",
     requires = [
-        stage_e_flush_v2,
+        stage_e_flush_v4,
         stage_e_reset_stats,
         stage_e_reset_stats_cap
     ],

@@ -7,8 +7,31 @@ use serde::Serialize;
 /// each is shown as: the one list in Rust. `for_each_counter!(m, rest…)` calls
 /// `m!([name: type, …] rest…)`; [`CounterValues`] and the SQL functions' result columns (`api`)
 /// are made from it. (SQL names them in `sql/`.) Times are counted in microseconds and shown
-/// as `interval`. Versions before 0.3.0 had the first [`COUNT_0_2_0`] only.
+/// as `interval`. Versions before 0.3.0 had the first [`COUNT_0_2_0`] only, 0.3.0 the first
+/// [`COUNT_0_3_0`].
 macro_rules! for_each_counter {
+    ($m:ident $(, $($rest:tt)*)?) => {
+        $m! {
+            [
+                acquired: i64,
+                throttled: i64,
+                released: i64,
+                foreign_releases: i64,
+                released_by_exit: i64,
+                waits: i64,
+                wait_timeouts: i64,
+                wait_time: Interval,
+                hold_time: Interval,
+                expired: i64
+            ]
+            $($($rest)*)?
+        }
+    };
+}
+
+/// The counters of 0.3.0's functions (all but `expired`), which databases at 0.3.0 call until
+/// they update (`compat`).
+macro_rules! for_each_counter_0_3_0 {
     ($m:ident $(, $($rest:tt)*)?) => {
         $m! {
             [
@@ -29,6 +52,9 @@ macro_rules! for_each_counter {
 
 /// Counters of the 0.1.0 and 0.2.0 tables and functions (the first ones of the list).
 pub const COUNT_0_2_0: usize = 5;
+
+/// Counters of the 0.3.0 table and functions (0.4.0 added `expired`).
+pub const COUNT_0_3_0: usize = 9;
 
 macro_rules! counters {
     ([$($name:ident: $ty:tt),*]) => {
@@ -154,7 +180,7 @@ pub fn decode(text: &str) -> Option<Vec<Carried>> {
                     .collect();
                 String::from_utf8(bytes?).ok()?
             };
-            // Files of 0.1.0 and 0.2.0 have fewer counters: the later ones start at zero.
+            // Files of earlier versions have fewer counters: the later ones start at zero.
             let nums: Vec<u64> = words.map(|w| w.parse().ok()).collect::<Option<_>>()?;
             if nums.len() < COUNT_0_2_0 || nums.len() > COUNT {
                 return None;

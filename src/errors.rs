@@ -65,11 +65,14 @@ pub fn raise(e: SlotError) -> ! {
                 "cap" => format!("A cap name is 1 to {MAX_NAME} bytes."),
                 "k" => "k is how many slots to take at once, between 1 and n.".into(),
                 "wait" => "wait is how long to wait for a slot: '0' does not wait.".into(),
+                "ttl" => "ttl is how long a lease lasts unless renewed.".into(),
+                "token" => "token is the one stage_e_lease returned with the slot.".into(),
                 _ => format!("Slots are numbered 0 to {}.", max_slots - 1),
             },
             Some(match name {
                 "cap" => "Pass a cap name, such as 'exports' or 'tenant:42'.".into(),
                 "wait" => "Pass an interval such as '0', '500 ms' or '30 s'.".into(),
+                "ttl" => "Pass an interval such as '30 s' or '5 min'.".into(),
                 _ => "Pass an integer.".into(),
             }),
         ),
@@ -93,6 +96,30 @@ pub fn raise(e: SlotError) -> ! {
             "wait must not be negative".into(),
             "wait is how long to wait for a slot: '0' does not wait.".into(),
             Some("Pass an interval such as '0', '500 ms' or '30 s'.".into()),
+        ),
+        SlotError::BadTtl => report(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            "ttl must be positive".into(),
+            "ttl is how long a lease lasts unless renewed; its slot comes back when it passes."
+                .into(),
+            Some(
+                "Pass an interval longer than the work it guards, such as '30 s', and renew \
+                 before it passes."
+                    .into(),
+            ),
+        ),
+        SlotError::NoLeaseRecord { max_leases } => report(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            "stage_e_slots has no room for another lease".into(),
+            format!(
+                "All {max_leases} lease records (stage_e_slots.max_leases) are live; no slot was \
+                 taken."
+            ),
+            Some(
+                "Release leases when done, or raise stage_e_slots.max_leases in \
+                 postgresql.conf and restart."
+                    .into(),
+            ),
         ),
         SlotError::NoWaiterRecord => report(
             ERRCODE_INTERNAL_ERROR,
@@ -220,4 +247,49 @@ pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>) {
         .set_detail(detail)
         .set_hint(HINT_SAME_CONNECTION)
         .report(PgLogLevel::WARNING);
+}
+
+/// The WARNING of a renewal or a release by token that found no live lease with that token.
+pub fn warn_not_current(
+    what: &str,
+    cap: &str,
+    slot: i32,
+    current: Option<crate::shmem::LeaseInfo>,
+) {
+    let detail = match current {
+        Some(l) => format!(
+            "Slot {slot} of cap \"{cap}\" is leased under token {}; it keeps the slot.",
+            l.token
+        ),
+        None => format!("Slot {slot} of cap \"{cap}\" has no live lease."),
+    };
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_WARNING,
+        format!("{what}: the token is not the current lease of slot {slot} of cap \"{cap}\""),
+        "stage_e_slots",
+    )
+    .set_detail(detail)
+    .set_hint(
+        "The lease expired and was freed (the slot may since be someone else's), or it was \
+         released already. Stop the guarded work: its fencing token is stale.",
+    )
+    .report(PgLogLevel::WARNING);
+}
+
+/// The WARNING of a renewal or a release by token of a lease that had expired.
+pub fn warn_expired(what: &str, cap: &str, slot: i32, held_us: i64) {
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_WARNING,
+        format!("{what}: the lease of slot {slot} of cap \"{cap}\" had expired"),
+        "stage_e_slots",
+    )
+    .set_detail(format!(
+        "It was held for {:.3} s, past its ttl; it is now freed and counted as expired.",
+        held_us as f64 / 1e6
+    ))
+    .set_hint(
+        "Renew before the ttl passes, or take the lease with a longer ttl. Work done after the \
+         expiry was not guarded.",
+    )
+    .report(PgLogLevel::WARNING);
 }

@@ -12,6 +12,8 @@ pub const DEFAULT_MAX_CAPS: i32 = 4096;
 pub const MAX_MAX_CAPS: i32 = 1 << 20;
 pub const DEFAULT_SLOT_MEMORY_KB: i32 = 2048;
 pub const MAX_SLOT_MEMORY_KB: i32 = 1 << 20;
+pub const DEFAULT_MAX_LEASES: i32 = 4096;
+pub const MAX_MAX_LEASES: i32 = 1 << 20;
 pub const DEFAULT_FLUSH_INTERVAL_MS: i32 = 10_000;
 pub const MIN_FLUSH_INTERVAL_MS: i32 = 100;
 pub const MAX_FLUSH_INTERVAL_MS: i32 = 3_600_000;
@@ -20,6 +22,7 @@ static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
 static MAX_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_CAPS);
 static SLOT_MEMORY_KB: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_SLOT_MEMORY_KB);
+static MAX_LEASES: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_LEASES);
 static FLUSH_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_FLUSH_INTERVAL_MS);
 
 pub fn init() {
@@ -66,6 +69,17 @@ pub fn init() {
         GucFlags::UNIT_KB,
     );
     GucRegistry::define_int_guc(
+        c"stage_e_slots.max_leases",
+        c"How many leases (slots held by a token, of all caps and databases) can be live at once.",
+        c"Each takes 48 bytes of shared memory. A lease past its TTL is freed by the next \
+          search that meets it, or by the background worker within a few seconds.",
+        &MAX_LEASES,
+        16,
+        MAX_MAX_LEASES,
+        GucContext::Postmaster,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
         c"stage_e_slots.flush_interval",
         c"How often counters are added to each database's stage_e_throttle_counter row.",
         c"One row update per database per interval, whatever the throttle rate. A crash loses \
@@ -88,6 +102,10 @@ pub fn lock_key() -> i32 {
 
 pub fn max_caps() -> u32 {
     MAX_CAPS.get() as u32
+}
+
+pub fn max_leases() -> u32 {
+    MAX_LEASES.get() as u32
 }
 
 pub fn slot_memory_bytes() -> usize {

@@ -8,10 +8,11 @@
 //! - Postgres internals: `shmem` (shared state), `locks` (lock manager), `session` (this backend
 //!   and its exit/transaction hooks), `worker` (the flush launcher and flushers);
 //! - the logic: `slots` (caps), `flush` (durable counts), `sql` (every statement we run);
-//! - the SQL surface: `api`, `compat` (0.1.0 symbols), `errors` (how failures are reported).
+//! - the SQL surface: `api`, `compat` (earlier versions' symbols), `errors` (how failures are reported).
 
 #[macro_use]
 mod counters;
+#[macro_use]
 mod api;
 mod arena;
 mod compat;

@@ -183,7 +183,15 @@ mod tests {
         );
         assert_eq!(
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(21)
+            Some(25)
+        );
+        // stage_e_lease returns its own row type, (slot integer, token bigint).
+        assert_eq!(
+            one::<String>(
+                "SELECT pg_catalog.format_type(prorettype, NULL) FROM pg_proc \
+                 WHERE proname = 'stage_e_lease'"
+            ),
+            Some("stage_e_lease_slot".into())
         );
     }
 }

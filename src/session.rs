@@ -19,12 +19,20 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::CStr;
 
-/// A slot this backend holds through the extension: its cap, the cap's lock key, the slot.
+/// A slot this backend holds through the extension: its cap, the cap's lock key, the slot,
+/// and the fencing token it was acquired with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Held {
     pub cap: CapRef,
     pub key: i32,
     pub slot: u32,
+    pub token: u64,
+}
+
+impl Held {
+    fn same_slot(&self, other: &Held) -> bool {
+        (self.cap, self.key, self.slot) == (other.cap, other.key, other.slot)
+    }
 }
 
 /// The flush this transaction is making: per cap, the handle that settles it and what it read;
@@ -176,7 +184,7 @@ pub fn track(held: Held) {
 
 /// Forgets `held`; true if it was tracked.
 pub fn untrack(held: Held) -> bool {
-    TRACKED.with_borrow_mut(|t| match t.iter().position(|&h| h == held) {
+    TRACKED.with_borrow_mut(|t| match t.iter().position(|h| h.same_slot(&held)) {
         Some(i) => {
             t.swap_remove(i);
             true

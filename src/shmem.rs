@@ -7,8 +7,9 @@
 //! Header
 //! CapEntry × max_caps        a cap's fixed part: database, name, lock key, pin state, where its
 //!                            slots are, counters and flush bookkeeping, the waiters' queue and
-//!                            load averages (704 bytes)
+//!                            load averages (712 bytes)
 //! WaiterRecord × MaxBackends who waits for which cap (see "Waiting")
+//! LeaseRecord × max_leases   slots held by a token, not a session (see "Leases and tokens")
 //! 64 B × MaxBackends         one hazard slot per backend (see "Concurrency")
 //! u32 × index_len            the (database, name) → entry index (`directory`), 2 × max_caps rounded
 //!                            up to a power of two
@@ -25,7 +26,7 @@
 //! whole blocks of `max_slots` slots (at least one).
 //!
 //! **Budget** at the defaults (max_caps 4096, slot_memory 2 MB, max_slots 1024): 2.9 MB of
-//! entries (704 bytes each), 32 kB of index, a waiter record and a 64-byte hazard slot per
+//! entries (712 bytes each), 32 kB of index, a waiter record and a 64-byte hazard slot per
 //! backend, 2 MB of arena and 100 kB of allocator state: 5.1 MB in all (`make bench` measures
 //! it); 4,096 caps of n ≤ 15 fit at once (8,192 pages), or 64 caps of n = 1,024, or any mix.
 //!
@@ -75,6 +76,8 @@ struct Header {
     launcher: AtomicPtr<pg_sys::PGPROC>,
     max_waiters: u32,
     max_hazards: u32,
+    max_leases: u32,
+    _pad2: u32,
 }
 
 /// One value per counter, in `CounterValues::NAMES` order. Relaxed atomics: each is an
@@ -106,6 +109,7 @@ pub enum Counter {
     WaitTime = 7,
     /// Microseconds.
     HoldTime = 8,
+    Expired = 9,
 }
 
 impl Counters {
@@ -171,7 +175,32 @@ pub struct CapEntry {
     load_throttles: [AtomicU64; 3],
     load_last_throttled: AtomicU64,
     load_last_us: AtomicI64,
+    /// The last fencing token handed out (see "Leases and tokens").
+    last_token: AtomicU64,
+    /// Live leases, and no lease expires before `lease_due` (a lower bound).
+    leases: AtomicU32,
+    _pad3: u32,
+    lease_due: AtomicI64,
 }
+
+/// A lease (see "Leases and tokens"): FREE, or LIVE on slot `slot` of the cap in entry `entry`
+/// at `generation`, or BUSY while one process reads and changes it.
+#[repr(C)]
+struct LeaseRecord {
+    state: AtomicU32,
+    entry: AtomicU32,
+    generation: AtomicU32,
+    slot: AtomicU32,
+    pid: AtomicI32,
+    _pad: u32,
+    token: AtomicU64,
+    acquired_at: AtomicI64,
+    expires_at: AtomicI64,
+}
+
+const FREE: u32 = 0;
+const LIVE: u32 = 1;
+const BUSY: u32 = 2;
 
 /// How many waiters at the front of a cap's queue may take slots at the same time.
 const FRONT: usize = 4;
@@ -548,6 +577,7 @@ static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
 
 struct Layout {
     max_caps: u32,
+    max_leases: u32,
     max_waiters: u32,
     max_hazards: u32,
     index_len: usize,
@@ -561,6 +591,7 @@ impl Layout {
         let top_order = arena::order_for(max_slots);
         Layout {
             max_caps: gucs::max_caps(),
+            max_leases: gucs::max_leases(),
             // SAFETY: MaxBackends is final when shared memory is requested (PG 15+).
             max_waiters: unsafe { pg_sys::MaxBackends }.max(1) as u32,
             // One hazard slot per PGPROC of a backend or background worker (they come first
@@ -578,6 +609,7 @@ impl Layout {
         64 + size_of::<Header>()
             + self.max_caps as usize * size_of::<CapEntry>()
             + self.max_waiters as usize * size_of::<WaiterRecord>()
+            + self.max_leases as usize * size_of::<LeaseRecord>()
             + 64
             + self.max_hazards as usize * size_of::<HazardSlot>()
             + (self.index_len + arena::meta_words(self.pages)).next_multiple_of(2) * 4
@@ -635,6 +667,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
             (*base).max_caps = layout.max_caps;
             (*base).max_waiters = layout.max_waiters;
             (*base).max_hazards = layout.max_hazards;
+            (*base).max_leases = layout.max_leases;
             (*base).max_slots = gucs::max_slots();
             (*base).index_len = layout.index_len as u32;
             (*base).pages = layout.pages;
@@ -745,6 +778,7 @@ struct Segment {
     header: &'static Header,
     entries: &'static [CapEntry],
     waiters: &'static [WaiterRecord],
+    leases: &'static [LeaseRecord],
     hazards: &'static [HazardSlot],
     index: &'static [AtomicU32],
     meta: &'static [AtomicU32],
@@ -786,9 +820,9 @@ fn compute_segment() -> Option<Segment> {
         let caps = header.max_caps as usize;
         let entries = (base as *mut u8).add(size_of::<Header>()) as *const CapEntry;
         let waiters = entries.add(caps) as *const WaiterRecord;
-        let hazards = (waiters.add(header.max_waiters as usize) as *const u8).add(to_cache_line(
-            waiters.add(header.max_waiters as usize) as usize,
-        )) as *const HazardSlot;
+        let leases = waiters.add(header.max_waiters as usize) as *const LeaseRecord;
+        let after = leases.add(header.max_leases as usize) as *const u8;
+        let hazards = after.add(to_cache_line(after as usize)) as *const HazardSlot;
         let index = hazards.add(header.max_hazards as usize) as *const AtomicU32;
         let meta = index.add(header.index_len as usize);
         let meta_len = arena::meta_words(header.pages);
@@ -798,6 +832,7 @@ fn compute_segment() -> Option<Segment> {
             header,
             entries: std::slice::from_raw_parts(entries, caps),
             waiters: std::slice::from_raw_parts(waiters, header.max_waiters as usize),
+            leases: std::slice::from_raw_parts(leases, header.max_leases as usize),
             hazards: std::slice::from_raw_parts(hazards, header.max_hazards as usize),
             index: std::slice::from_raw_parts(index, header.index_len as usize),
             meta: std::slice::from_raw_parts(meta, meta_len),
@@ -956,6 +991,9 @@ impl Segment {
         self.clear_block(e);
         e.key.store(key, Ordering::Relaxed);
         e.set_name(name);
+        e.last_token.store(token_base(), Ordering::Relaxed);
+        e.leases.store(0, Ordering::Relaxed);
+        e.lease_due.store(i64::MAX, Ordering::Relaxed);
         let hash = directory::index_hash(db, name);
         e.hash.store(hash, Ordering::Relaxed);
         e.dboid.store(db, Ordering::Release);
@@ -1623,4 +1661,317 @@ pub fn load_of(db: u32) -> Vec<Load> {
             throttles_per_min: read(&cap.entry.load_throttles),
         })
         .collect()
+}
+
+// -- Leases and tokens -----------------------------------------------------------------------
+//
+// **Tokens.** Every acquisition of a cap, session slot or lease, takes the next value of the
+// cap's `last_token`. A cap entry starts it at the clock in microseconds times 1,024 (the
+// clock's microsecond, split 1,024 ways), so the tokens of a cap created again (after a
+// restart, a crash or a reclaim) start above every earlier one as long as the cap took fewer
+// than 1,024 slots per microsecond on average, which no server does, and the clock did not go
+// back across the restart.
+//
+// **Leases.** A lease is a slot held by a token, not by a session: its bit is set like a
+// session slot's, and its slot record names a lease record (pid `-(index + 1)`) instead of a
+// backend. There is no advisory lock (no session holds it), so shared memory is the truth for
+// leases: the bit keeps session tries and other leases off the slot, and only the lease record
+// frees it. A lease record is changed only by the process that moved it from LIVE to BUSY
+// (a CAS), so a renewal, a release by token and an expiry never act on one lease at once. A
+// lease is taken with the cap pinned, and every operation on one pins its cap, so the record's
+// (entry, generation, slot) tells a stale lease from a live one.
+
+/// 1,024 tokens per microsecond of the clock: the first token of a cap created now.
+fn token_base() -> u64 {
+    // SAFETY: reads the clock.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() }.max(0) as u64;
+    now << 10
+}
+
+/// A live lease as the holders view and the sweeps see it.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseInfo {
+    pub slot: u32,
+    pub token: u64,
+    pub pid: i32,
+    pub acquired_at: i64,
+    pub expires_at: i64,
+}
+
+/// What a lease operation found, for its caller to count and report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseCheck {
+    /// The token is the slot's current lease, live at `now`.
+    Live,
+    /// The token was the slot's lease, but it expired (it has now been freed as expired).
+    Expired,
+    /// The slot has no lease, or one with another token.
+    Other,
+}
+
+fn lease_marker(index: usize) -> i32 {
+    -(index as i32) - 1
+}
+
+fn lease_index(pid: i32) -> Option<usize> {
+    (pid < 0).then(|| (-(pid as i64) - 1) as usize)
+}
+
+impl LeaseRecord {
+    fn info(&self) -> LeaseInfo {
+        LeaseInfo {
+            slot: self.slot.load(Ordering::Relaxed),
+            token: self.token.load(Ordering::Relaxed),
+            pid: self.pid.load(Ordering::Relaxed),
+            acquired_at: self.acquired_at.load(Ordering::Relaxed),
+            expires_at: self.expires_at.load(Ordering::Relaxed),
+        }
+    }
+
+    fn is_of(&self, cap: CapRef, slot: u32) -> bool {
+        self.entry.load(Ordering::Relaxed) == cap.entry
+            && self.generation.load(Ordering::Relaxed) == cap.generation
+            && self.slot.load(Ordering::Relaxed) == slot
+    }
+
+    /// LIVE → BUSY; false if the record is not live. Waits out another process's BUSY, which
+    /// lasts a few stores.
+    fn lock(&self) -> bool {
+        loop {
+            match self
+                .state
+                .compare_exchange(LIVE, BUSY, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(BUSY) => std::hint::spin_loop(),
+                Err(_) => return false,
+            }
+        }
+    }
+
+    fn unlock(&self) {
+        self.state.store(LIVE, Ordering::Release);
+    }
+}
+
+impl Cap {
+    /// The next fencing token of this cap.
+    pub fn next_token(&self) -> u64 {
+        self.entry.last_token.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Live leases of this cap.
+    pub fn lease_count(&self) -> u32 {
+        self.entry.leases.load(Ordering::Acquire)
+    }
+
+    /// Whether a lease of this cap may have expired by `now`.
+    pub fn lease_due(&self, now: i64) -> bool {
+        self.lease_count() > 0 && self.entry.lease_due.load(Ordering::Acquire) <= now
+    }
+
+    /// Records a lease on `slot`, whose bit the caller has claimed; false when every lease
+    /// record is in use.
+    pub fn start_lease(&self, slot: u32, token: u64, now: i64, expires_at: i64) -> bool {
+        let Some(seg) = segment() else { return false };
+        // SAFETY: this process's pid, set at start.
+        let pid = unsafe { pg_sys::MyProcPid };
+        let len = seg.leases.len();
+        let from = pid.unsigned_abs() as usize % len.max(1);
+        for i in (from..len).chain(0..from) {
+            let r = &seg.leases[i];
+            if r.state
+                .compare_exchange(FREE, BUSY, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            r.entry.store(self.cap.entry, Ordering::Relaxed);
+            r.generation.store(self.cap.generation, Ordering::Relaxed);
+            r.slot.store(slot, Ordering::Relaxed);
+            r.pid.store(pid, Ordering::Relaxed);
+            r.token.store(token, Ordering::Relaxed);
+            r.acquired_at.store(now, Ordering::Relaxed);
+            r.expires_at.store(expires_at, Ordering::Relaxed);
+            self.entry.leases.fetch_add(1, Ordering::AcqRel);
+            r.state.store(LIVE, Ordering::Release);
+            self.record(slot).set(lease_marker(i), now);
+            // Last: a sweep that reset `lease_due` before this either sees the slot record
+            // above (the swap there reads this RMW's value or a later one) or is followed by
+            // this lowering of it.
+            self.entry.lease_due.fetch_min(expires_at, Ordering::SeqCst);
+            return true;
+        }
+        false
+    }
+
+    /// The lease record of `slot`, if the slot is leased.
+    fn lease_record(&self, slot: u32) -> Option<&'static LeaseRecord> {
+        if slot >= self.capacity() {
+            return None;
+        }
+        let i = lease_index(self.record(slot).get().0)?;
+        segment()?.leases.get(i)
+    }
+
+    /// Runs `f` on the live lease of `slot` with its record locked; None if there is none.
+    fn with_lease<R>(&self, slot: u32, f: impl FnOnce(&LeaseRecord) -> R) -> Option<R> {
+        let r = self.lease_record(slot)?;
+        if !r.lock() {
+            return None;
+        }
+        if !r.is_of(self.cap, slot) {
+            r.unlock();
+            return None;
+        }
+        Some(f(r))
+    }
+
+    /// Frees the lease in `r` (locked by the caller): the slot record, the bit, the record;
+    /// wakes the waiters the slot may serve.
+    fn end_lease(&self, r: &LeaseRecord) -> LeaseInfo {
+        let info = r.info();
+        self.record(info.slot).clear();
+        occupancy::clear(self.bits(), info.slot);
+        self.entry.leases.fetch_sub(1, Ordering::AcqRel);
+        r.state.store(FREE, Ordering::Release);
+        self.wake_front();
+        info
+    }
+
+    /// Checks `token` against the lease of `slot` at `now`: a live one is extended to
+    /// `expires_at` (with Some) or ended (with None); an expired one is ended as expired.
+    /// Returns what was found, and the lease as it was.
+    pub fn settle_lease(
+        &self,
+        slot: u32,
+        token: u64,
+        now: i64,
+        extend_to: Option<i64>,
+    ) -> (LeaseCheck, Option<LeaseInfo>) {
+        self.with_lease(slot, |r| {
+            let info = r.info();
+            if info.token != token {
+                r.unlock();
+                return (LeaseCheck::Other, Some(info));
+            }
+            if info.expires_at <= now {
+                return (LeaseCheck::Expired, Some(self.end_lease(r)));
+            }
+            match extend_to {
+                Some(t) => {
+                    r.expires_at.store(t, Ordering::Relaxed);
+                    self.entry.lease_due.fetch_min(t, Ordering::SeqCst);
+                    r.unlock();
+                    (LeaseCheck::Live, Some(info))
+                }
+                None => (LeaseCheck::Live, Some(self.end_lease(r))),
+            }
+        })
+        .unwrap_or((LeaseCheck::Other, None))
+    }
+
+    /// The live lease of `slot`, if any (a copy; for reporting).
+    pub fn lease_of(&self, slot: u32) -> Option<LeaseInfo> {
+        self.with_lease(slot, |r| {
+            let info = r.info();
+            r.unlock();
+            info
+        })
+    }
+
+    /// Live leases of this cap (for the holders view).
+    pub fn leases(&self) -> Vec<LeaseInfo> {
+        if self.lease_count() == 0 {
+            return Vec::new();
+        }
+        (0..self.capacity())
+            .filter_map(|slot| self.lease_of(slot))
+            .collect()
+    }
+
+    /// Ends every lease of this cap that expired by `now`; returns them (for the caller to
+    /// count and log) and sets `lease_due` to the next expiry. The bound is reset *before* the
+    /// scan, and every lease the scan keeps lowers it again, as does every lease started
+    /// meanwhile (after its slot record is set): so no lease is ever left out of it.
+    pub fn expire_leases(&self, now: i64) -> Vec<LeaseInfo> {
+        let due = &self.entry.lease_due;
+        due.swap(i64::MAX, Ordering::SeqCst);
+        let mut expired = Vec::new();
+        for slot in 0..self.capacity() {
+            let got = self.with_lease(slot, |r| {
+                let expires_at = r.expires_at.load(Ordering::Relaxed);
+                if expires_at <= now {
+                    Some(self.end_lease(r))
+                } else {
+                    due.fetch_min(expires_at, Ordering::SeqCst);
+                    r.unlock();
+                    None
+                }
+            });
+            if let Some(Some(info)) = got {
+                expired.push(info);
+            }
+        }
+        expired
+    }
+}
+
+/// The background worker's round: frees lease records whose cap is gone (reclaimed with its
+/// dropped database), and returns the caps with a lease due by `now`.
+pub fn caps_with_leases_due(now: i64) -> Vec<CapRef> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut due: Vec<CapRef> = Vec::new();
+    for r in seg.leases {
+        if r.state.load(Ordering::Acquire) != LIVE {
+            continue;
+        }
+        let cap = CapRef {
+            entry: r.entry.load(Ordering::Relaxed),
+            generation: r.generation.load(Ordering::Relaxed),
+        };
+        match pin(cap) {
+            Some(c) => {
+                if c.lease_due(now) && !due.contains(&cap) {
+                    due.push(cap);
+                }
+            }
+            None => {
+                // A live lease keeps its slot's bit set, so its cap is not reclaimed: the record
+                // was ended (and maybe reused) since it was read. Look again with it locked,
+                // and free it only if its cap is truly gone (defensive: nothing else could).
+                if r.lock() {
+                    let again = CapRef {
+                        entry: r.entry.load(Ordering::Relaxed),
+                        generation: r.generation.load(Ordering::Relaxed),
+                    };
+                    if pin(again).is_none() {
+                        r.state.store(FREE, Ordering::Release);
+                    } else {
+                        r.unlock();
+                    }
+                }
+            }
+        }
+    }
+    due
+}
+
+#[cfg(test)]
+mod unit {
+    use super::*;
+
+    #[test]
+    fn lease_markers_are_negative_and_round_trip() {
+        for i in [0usize, 1, 4095, 1 << 20] {
+            let pid = lease_marker(i);
+            assert!(pid < 0);
+            assert_eq!(lease_index(pid), Some(i));
+        }
+        // A backend's pid (positive) or no holder (0) is not a lease.
+        assert_eq!(lease_index(0), None);
+        assert_eq!(lease_index(12345), None);
+    }
 }

@@ -38,6 +38,12 @@ pub enum SlotError {
         n: u32,
     },
     NegativeWait,
+    /// A lease's ttl must be positive.
+    BadTtl,
+    /// Every lease record is in use.
+    NoLeaseRecord {
+        max_leases: u32,
+    },
     /// The list of waiters had no record for this backend (a bug: it has one per backend).
     NoWaiterRecord,
     SlotOutOfRange {
@@ -65,9 +71,39 @@ pub struct CapStats {
 pub struct Holder {
     pub cap: String,
     pub slot: u32,
+    /// For a lease, the backend that took it (which may be gone).
     pub pid: i32,
     /// None for a slot locked with raw `pg_advisory_lock` rather than through the extension.
     pub acquired_at: Option<i64>,
+    /// A lease's token and expiry; None for a session slot.
+    pub token: Option<u64>,
+    pub expires_at: Option<i64>,
+}
+
+/// Who holds what a call takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// This session, through a session advisory lock.
+    Session,
+    /// A token, for `ttl_us` microseconds from the moment it is taken.
+    Lease { ttl_us: i64 },
+}
+
+/// A slot taken, with its fencing token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Got {
+    pub slot: u32,
+    pub token: u64,
+}
+
+/// What a renewal or a release by token found.
+pub enum LeaseOutcome {
+    /// Renewed, or released.
+    Done,
+    /// The lease had expired: it is now freed, counted as expired.
+    Expired { held_us: i64 },
+    /// The slot has no live lease with this token (the current holder, if any, keeps it).
+    NotCurrent { current: Option<shmem::LeaseInfo> },
 }
 
 /// Refuses to run without the cap's shared state, on a standby (whose locks do not coordinate
@@ -184,27 +220,27 @@ fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
 /// `stage_e_try_slot(cap, n)`: the lowest free slot in `[0, n)` of the cap, now held by this
 /// session, or None (throttled, counted once).
 pub fn try_slot(cap: Option<&str>, n: Option<i32>) -> Result<Option<u32>, SlotError> {
-    Ok(try_slots(cap, n, Some(1), Wait::No)?.map(|t| t.first()))
+    Ok(try_slots(cap, n, Some(1), Wait::No)?.map(|t| t.first().slot))
 }
 
 /// Slots taken by one call: one (the common case, without an allocation) or several.
 pub enum Taken {
-    One(u32),
-    Many(Vec<u32>),
+    One(Got),
+    Many(Vec<Got>),
 }
 
 impl Taken {
-    pub fn first(&self) -> u32 {
+    pub fn first(&self) -> Got {
         match self {
-            Taken::One(s) => *s,
+            Taken::One(g) => *g,
             Taken::Many(v) => v[0],
         }
     }
 
     pub fn into_vec(self) -> Vec<u32> {
         match self {
-            Taken::One(s) => vec![s],
-            Taken::Many(v) => v,
+            Taken::One(g) => vec![g.slot],
+            Taken::Many(v) => v.into_iter().map(|g| g.slot).collect(),
         }
     }
 }
@@ -222,6 +258,44 @@ pub fn try_slots(
     k: Option<i32>,
     wait: Wait,
 ) -> Result<Option<Taken>, SlotError> {
+    acquire(cap, n, k, wait, Kind::Session)
+}
+
+/// `stage_e_lease(cap, n, ttl, wait)`: a slot of `[0, n)` held by a token for `ttl`, waiting up
+/// to `wait` for one like a session slot; None when throttled.
+pub fn lease(
+    cap: Option<&str>,
+    n: Option<i32>,
+    ttl_us: Option<i64>,
+    wait: Wait,
+) -> Result<Option<Got>, SlotError> {
+    let ttl_us = check_ttl(ttl_us)?;
+    let kind = Kind::Lease { ttl_us };
+    let got = match acquire(cap, n, Some(1), wait, kind) {
+        // Every lease record is live: free the expired ones of every cap, and try once more.
+        Err(SlotError::NoLeaseRecord { .. }) if expire_leases_everywhere() > 0 => {
+            acquire(cap, n, Some(1), wait, kind)
+        }
+        other => other,
+    };
+    Ok(got?.map(|t| t.first()))
+}
+
+fn check_ttl(ttl_us: Option<i64>) -> Result<i64, SlotError> {
+    match ttl_us {
+        None => Err(SlotError::NullArgument { name: "ttl" }),
+        Some(t) if t <= 0 => Err(SlotError::BadTtl),
+        Some(t) => Ok(t),
+    }
+}
+
+fn acquire(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: Wait,
+    kind: Kind,
+) -> Result<Option<Taken>, SlotError> {
     ready()?;
     let name = check_name(cap)?;
     let n = check_cap(n)?;
@@ -230,15 +304,16 @@ pub fn try_slots(
     session::ensure_hooks();
     if cap.waiters() == 0 {
         let now = session::statement_start();
-        if let Some(got) = take(&cap, n, k, now) {
+        if let Some(got) = take(&cap, n, k, now, kind)? {
             cap.counters().bump(Counter::Acquired, k as u64);
             return Ok(Some(got));
         }
         // Before saying "throttled": this session may have dropped one of its own slots' locks
-        // earlier in this very transaction (transaction end would clear it). Clear such slots
-        // now and look once more; a session holding no slot of this cap skips this.
-        if reconcile_cap(&cap) > 0 {
-            if let Some(got) = take(&cap, n, k, now) {
+        // earlier in this very transaction (transaction end would clear it), and leases may
+        // have expired. Free those and look once more; without either, this costs two loads.
+        let expired = expire_due(&cap);
+        if reconcile_cap(&cap) + expired > 0 {
+            if let Some(got) = take(&cap, n, k, now, kind)? {
                 cap.counters().bump(Counter::Acquired, k as u64);
                 return Ok(Some(got));
             }
@@ -252,7 +327,7 @@ pub fn try_slots(
         Wait::For(d) => Some(std::time::Instant::now() + d),
         Wait::Forever => None,
     };
-    wait_in_line(cap, n, k, deadline)
+    wait_in_line(cap, n, k, deadline, kind)
 }
 
 /// Queues for `k` slots of `cap` until they are had or `deadline` passes.
@@ -261,6 +336,7 @@ fn wait_in_line(
     n: u32,
     k: u32,
     deadline: Option<std::time::Instant>,
+    kind: Kind,
 ) -> Result<Option<Taken>, SlotError> {
     let started = waiting::now();
     let counters = cap.counters();
@@ -277,8 +353,9 @@ fn wait_in_line(
     loop {
         waiting::reset_latch();
         let cap = shmem::pin(place).expect("a cap with waiters is never reclaimed");
+        expire_due(&cap); // wakes the waiters that the freed slots serve, us included
         if cap.may_take(ticket) {
-            if let Some(got) = take(&cap, n, k, waiting::now()) {
+            if let Some(got) = take(&cap, n, k, waiting::now(), kind)? {
                 drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
                 counters.bump(Counter::WaitTime, waited());
@@ -298,57 +375,83 @@ fn wait_in_line(
     }
 }
 
-/// Takes `k` slots of `[0, n)`, all or none; `at` is their acquisition time.
-fn take(cap: &Cap, n: u32, k: u32, at: i64) -> Option<Taken> {
+/// Takes `k` slots of `[0, n)`, all or none; `at` is their acquisition time. Leases are
+/// taken one at a time.
+fn take(cap: &Cap, n: u32, k: u32, at: i64, kind: Kind) -> Result<Option<Taken>, SlotError> {
     if k == 1 {
         // The common case, without the bookkeeping below.
-        return search(cap, n, at).map(Taken::One);
+        return Ok(search(cap, n, at, kind)?.map(Taken::One));
     }
     let mut got = Vec::with_capacity(k as usize);
     while got.len() < k as usize {
-        match search(cap, n, at) {
-            Some(slot) => got.push(slot),
+        match search(cap, n, at, Kind::Session)? {
+            Some(g) => got.push(g),
             None => break,
         }
     }
     if got.len() == k as usize {
-        return Some(Taken::Many(got));
+        return Ok(Some(Taken::Many(got)));
     }
     // Not all of them: give back the ones taken, as if never taken (nothing is counted). Nobody
     // is woken: the free slots covered this call and those ahead of it, so what failed it is a
     // raw lock the bitmap cannot see, and waking the others would only make them fail the same
     // way and wake us back, round and round; the next release or recheck serves them.
     let key = cap.key();
-    for slot in got {
-        locks::unlock(key, slot);
-        cap.record(slot).clear();
-        occupancy::clear(cap.bits(), slot);
+    for g in got {
+        locks::unlock(key, g.slot);
+        cap.record(g.slot).clear();
+        occupancy::clear(cap.bits(), g.slot);
         session::untrack(Held {
             cap: cap.cap,
             key,
-            slot,
+            slot: g.slot,
+            token: g.token,
         });
     }
-    None
+    Ok(None)
 }
 
 /// Takes the lowest slot of `[0, n)` that is clear in the bitmap and free in the lock manager;
-/// `at` is recorded as its acquisition time.
-fn search(cap: &Cap, n: u32, at: i64) -> Option<u32> {
+/// `at` is recorded as a session slot's acquisition time (a lease's is the clock's now).
+fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotError> {
     let key = cap.key();
     let bits = cap.bits();
     let mut from = 0;
     while let Some(claim) = occupancy::claim_first_free(bits, from, n) {
         let slot = claim.slot();
         match locks::try_lock(key, slot) {
-            Probe::Acquired => {
+            Probe::Acquired if kind == Kind::Session => {
+                let token = cap.next_token();
                 cap.record(slot).set(session::pid(), at);
                 session::track(Held {
                     cap: cap.cap,
                     key,
                     slot,
+                    token,
                 });
-                return Some(claim.keep());
+                return Ok(Some(Got {
+                    slot: claim.keep(),
+                    token,
+                }));
+            }
+            // A lease is held by its token, not by this session: the lock only showed that no
+            // raw advisory lock holds the slot. The set bit keeps everyone else off it.
+            Probe::Acquired => {
+                locks::unlock(key, slot);
+                let Kind::Lease { ttl_us } = kind else {
+                    unreachable!("session slots are handled above")
+                };
+                let token = cap.next_token();
+                let now = waiting::now();
+                if !cap.start_lease(slot, token, now, now.saturating_add(ttl_us)) {
+                    return Err(SlotError::NoLeaseRecord {
+                        max_leases: gucs::max_leases(),
+                    }); // dropping `claim` clears the bit
+                }
+                return Ok(Some(Got {
+                    slot: claim.keep(),
+                    token,
+                }));
             }
             // Held by this very session through a raw advisory lock: giving it out again would
             // count one lock twice. Undo the re-entrant count and look further.
@@ -360,7 +463,118 @@ fn search(cap: &Cap, n: u32, at: i64) -> Option<u32> {
         }
         from = slot + 1; // dropping `claim` clears the bit
     }
-    None
+    Ok(None)
+}
+
+/// Frees the leases of `cap` that have expired, if one may have: counts and logs each; returns
+/// how many. Two atomic loads when the cap has no lease.
+fn expire_due(cap: &Cap) -> usize {
+    if cap.lease_count() == 0 {
+        return 0;
+    }
+    let now = waiting::now();
+    if !cap.lease_due(now) {
+        return 0;
+    }
+    let expired = cap.expire_leases(now);
+    for lease in &expired {
+        count_expired(cap, lease, now);
+    }
+    expired.len()
+}
+
+/// Counts an expired lease (expired, and its holding time) and says so in the log.
+fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
+    let held = (now - lease.acquired_at).max(0);
+    cap.counters().bump(Counter::Expired, 1);
+    cap.counters().bump(Counter::HoldTime, held as u64);
+    pgrx::log!(
+        "stage_e_slots: lease of slot {} of cap \"{}\" (token {}, taken by pid {}) expired; \
+         freed after {:.3} s held, {:.3} s past its expiry",
+        lease.slot,
+        cap.name(),
+        lease.token,
+        lease.pid,
+        held as f64 / 1e6,
+        (now - lease.expires_at).max(0) as f64 / 1e6
+    );
+}
+
+/// Frees the expired leases of every database (the background worker's round, and a lease
+/// that found every lease record live); returns how many.
+pub fn expire_leases_everywhere() -> usize {
+    let now = waiting::now();
+    let mut freed = 0;
+    for r in shmem::caps_with_leases_due(now) {
+        if let Some(cap) = shmem::pin(r) {
+            for lease in cap.expire_leases(now) {
+                count_expired(&cap, &lease, now);
+                freed += 1;
+            }
+        }
+    }
+    freed
+}
+
+/// `stage_e_renew(cap, slot, token, ttl)` (with `Some(ttl)`) or `stage_e_release_lease(cap,
+/// slot, token)` (with None): acts on the slot's lease only if `token` is its current one.
+pub fn settle_lease(
+    cap: Option<&str>,
+    slot: Option<i32>,
+    token: Option<i64>,
+    ttl_us: Option<Option<i64>>,
+) -> Result<LeaseOutcome, SlotError> {
+    ready()?;
+    let name = check_name(cap)?;
+    let slot = check_slot(slot)?;
+    let token = token.ok_or(SlotError::NullArgument { name: "token" })?;
+    let ttl_us = ttl_us.map(check_ttl).transpose()?;
+    let releasing = ttl_us.is_none();
+    // Counted on the cap if it exists here; this never creates one.
+    let Some(cap) = existing(name) else {
+        return Ok(LeaseOutcome::NotCurrent { current: None });
+    };
+    let now = waiting::now();
+    let extend_to = ttl_us.map(|t| now.saturating_add(t));
+    let (check, info) = cap.settle_lease(slot, token as u64, now, extend_to);
+    Ok(match (check, info) {
+        (shmem::LeaseCheck::Live, Some(info)) => {
+            if releasing {
+                cap.counters().bump(Counter::Released, 1);
+                cap.counters()
+                    .bump(Counter::HoldTime, (now - info.acquired_at).max(0) as u64);
+            }
+            LeaseOutcome::Done
+        }
+        (shmem::LeaseCheck::Expired, Some(info)) => {
+            count_expired(&cap, &info, now);
+            // Its holder is no longer one: a release now is foreign, as it is once a sweep
+            // has freed the lease first (whichever comes first, the counts are the same).
+            if releasing {
+                cap.counters().bump(Counter::ForeignReleases, 1);
+            }
+            LeaseOutcome::Expired {
+                held_us: (now - info.acquired_at).max(0),
+            }
+        }
+        (_, current) => {
+            if releasing {
+                cap.counters().bump(Counter::ForeignReleases, 1);
+            }
+            LeaseOutcome::NotCurrent { current }
+        }
+    })
+}
+
+/// `stage_e_slot_token(cap, slot)`: the fencing token of the session slot this session holds,
+/// or None.
+pub fn slot_token(cap: Option<&str>, slot: Option<i32>) -> Result<Option<u64>, SlotError> {
+    attached()?;
+    let key = shmem::cap_key(check_name(cap)?);
+    let slot = check_slot(slot)?;
+    Ok(session::tracked_slot(key, slot)
+        .filter(|h| locks::held_by_me(h.key, h.slot))
+        .map(|h| h.token))
 }
 
 /// Runs `f` on the cap of `held`: `near` when the caller has that cap pinned already (the
@@ -558,7 +772,8 @@ fn caps_by_key() -> HashMap<i32, (String, Option<Cap>)> {
 }
 
 /// `stage_e_stats()`: one row per cap in use in the current database, counted since the cap
-/// was created (server start, or its reclaim); `held` comes from the lock manager.
+/// was created (server start, or its reclaim); `held` comes from the lock manager, plus the
+/// cap's live leases.
 pub fn stats() -> Result<Vec<CapStats>, SlotError> {
     attached()?;
     let granted = locks::granted(gucs::max_slots());
@@ -568,7 +783,7 @@ pub fn stats() -> Result<Vec<CapStats>, SlotError> {
             let cap = cap?;
             Some(CapStats {
                 cap: name,
-                held: granted.iter().filter(|g| g.key == key).count() as u32,
+                held: granted.iter().filter(|g| g.key == key).count() as u32 + cap.lease_count(),
                 counts: cap.counters().load(),
             })
         })
@@ -578,7 +793,7 @@ pub fn stats() -> Result<Vec<CapStats>, SlotError> {
 }
 
 /// Held slots of the current database per the lock manager (caps this server knows by name,
-/// and `default`), with the acquisition time where the extension recorded it.
+/// and `default`), with the acquisition time where the extension recorded it; and leases.
 pub fn holders() -> Result<Vec<Holder>, SlotError> {
     attached()?;
     let by_key = caps_by_key();
@@ -597,9 +812,22 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
                 slot: g.slot,
                 pid: g.pid,
                 acquired_at,
+                token: None,
+                expires_at: None,
             })
         })
         .collect();
+    for (name, cap) in by_key.values() {
+        let Some(cap) = cap else { continue };
+        out.extend(cap.leases().into_iter().map(|l| Holder {
+            cap: name.clone(),
+            slot: l.slot,
+            pid: l.pid,
+            acquired_at: Some(l.acquired_at),
+            token: Some(l.token),
+            expires_at: Some(l.expires_at),
+        }));
+    }
     out.sort_by(|a, b| (&a.cap, a.slot).cmp(&(&b.cap, b.slot)));
     Ok(out)
 }

@@ -88,11 +88,17 @@ impl Extension {
         self.version == "0.1.0"
     }
 
+    /// Whether its holders view shows leases (`token`, `expires_at`): 0.4.0 and later.
+    pub fn has_leases(&self) -> bool {
+        !matches!(self.version.as_str(), "0.1.0" | "0.2.0" | "0.3.0")
+    }
+
     /// The counter columns its table has: the first five before 0.3.0 (the wait and hold
-    /// counters came with 0.3.0), all of them since.
+    /// counters came with 0.3.0, `expired` with 0.4.0), all of them since.
     pub fn counter_columns(&self) -> usize {
         match self.version.as_str() {
             "0.1.0" | "0.2.0" => crate::counters::COUNT_0_2_0,
+            "0.3.0" => crate::counters::COUNT_0_3_0,
             _ => crate::counters::COUNT,
         }
     }

@@ -14,6 +14,7 @@ use crate::flush::{self, Write};
 use crate::gucs;
 use crate::session;
 use crate::shmem;
+use crate::slots;
 use crate::sql;
 use crate::waiting;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
@@ -59,6 +60,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         let now = Instant::now();
         if last_sample.is_none_or(|t| now >= t + sample_every) {
             shmem::sample_load(waiting::now());
+            slots::expire_leases_everywhere();
             last_sample = Some(now);
         }
         let due = last_round + interval;

@@ -20,15 +20,15 @@ def replay(cluster, db, mode):
     return summary
 
 
-@pytest.mark.parametrize("mode", ["shared", "dedicated"])
+@pytest.mark.parametrize("mode", ["shared", "dedicated", "lease"])
 def test_incident_replay(cluster, db, mode):
     since = len(cluster.log_text())
     s = replay(cluster, db, mode)
     log = cluster.log_text()[since:]  # only what this replay made the server say
     assert s["dispatches"] == 48 and s["ran"] + s["throttled_logged_by_workers"] == 48
     assert s["pg_locks_samples"] > 50
-    # Every slot handed out came back, by a release or by its session's exit.
-    assert s["acquired"] == s["released"] + s["released_by_exit"]
+    # Every slot handed out came back, by a release, by its session's exit, or by expiry.
+    assert s["acquired"] == s["released"] + s["released_by_exit"] + s["expired"]
     if mode == "shared":
         # The bug: django-q2's enqueue closed django.db.connection mid-region, so the slot went
         # with it and the release ran on another session. The cap did not bind (more regions
@@ -38,6 +38,26 @@ def test_incident_replay(cluster, db, mode):
         assert s["foreign_releases"] >= 1
         assert log.count("was not held by this connection") == s["foreign_releases"]
         assert "exited holding slot(s)" in log
+    elif mode == "lease":
+        # A lease on django.db.connection itself, through PgBouncer in transaction mode: the
+        # broker closed Django's connection in every region, exactly as in the shared mode, and
+        # the slot stayed (held by the lease's token, not by a session). The cap binds, no two
+        # regions held one slot at once, every release by token found its lease (none foreign,
+        # none expired), no slot went with a session, and every throttle was counted, exactly.
+        assert s["cap_name"] == "dispatch" and s["pooler"].startswith("pgbouncer")
+        assert s["ran"] >= 1
+        assert s["regions_whose_connection_was_replaced"] == s["ran"]
+        assert s["distinct_tokens"] == s["ran"]
+        assert s["max_concurrent_capped_regions"] <= CAP
+        assert s["max_concurrent_slot_holders_in_pg_locks"] <= CAP  # from the holders view
+        assert s["overlapping_regions_on_one_slot"] == 0
+        assert s["foreign_releases"] == 0 and s["released_by_exit"] == 0
+        assert s["expired"] == 0
+        assert s["acquired"] == s["released"] == s["ran"]
+        assert s["throttled_counted_by_extension"] == s["throttled_logged_by_workers"]
+        for said in ("was not held by this connection", "exited holding slot(s)",
+                     "is not the current lease", "expired"):
+            assert said not in log
     else:
         # The fix: the cap binds (a client-side measure: regions in progress at once), no two
         # workers ever believed they held one slot at the same time, and every throttle the

@@ -75,7 +75,9 @@ def not_preloaded():
     "SELECT * FROM stage_e_throttle_totals",
     "SELECT stage_e_try_slot(8, '1 s')", "SELECT stage_e_try_slots('c', 8, 2)",
     "SELECT * FROM stage_e_slot_waiters", "SELECT * FROM stage_e_cap_load",
-    "SELECT stage_e_cap_key('c')",
+    "SELECT stage_e_cap_key('c')", "SELECT stage_e_lease('c', 8, '1 s')",
+    "SELECT stage_e_renew('c', 0, 1, '1 s')", "SELECT stage_e_release_lease('c', 0, 1)",
+    "SELECT stage_e_slot_token('c', 0)",
 ])
 def test_not_preloaded_every_function_errors_with_a_hint(not_preloaded, call):
     with not_preloaded.connect() as c:
@@ -144,7 +146,10 @@ def test_hot_standby_refuses_slots_and_reports_what_is_true_there():
             wait_for(lambda: one(s, "SELECT pg_is_in_recovery()"), what="standby in recovery")
             for call in ["SELECT stage_e_try_slot(8)", "SELECT stage_e_release(0)",
                          "SELECT stage_e_release_all()", "SELECT stage_e_holding(0)",
-                         "SELECT stage_e_flush()", "SELECT stage_e_reset_stats()"]:
+                         "SELECT stage_e_flush()", "SELECT stage_e_reset_stats()",
+                         "SELECT stage_e_lease('c', 8, '1 s')",
+                         "SELECT stage_e_renew('c', 0, 1, '1 s')",
+                         "SELECT stage_e_release_lease('c', 0, 1)"]:
                 with pytest.raises(errors.ReadOnlySqlTransaction) as err:
                     s.execute(call)
                 assert "standby" in err.value.diag.message_primary
@@ -197,6 +202,7 @@ SETTINGS = {
     "stage_e_slots.lock_key": ("0", "2147483647", None, "postmaster"),
     "stage_e_slots.max_caps": ("16", "1048576", None, "postmaster"),
     "stage_e_slots.slot_memory": ("64", "1048576", "kB", "postmaster"),
+    "stage_e_slots.max_leases": ("16", "1048576", None, "postmaster"),
     "stage_e_slots.flush_interval": ("100", "3600000", "ms", "sighup"),
 }
 

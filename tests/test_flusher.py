@@ -307,12 +307,14 @@ def test_snapshot_is_a_monitoring_document(manual):
         snap = one(c, "SELECT stage_e_snapshot()")
         assert snap["database"] == db
         assert snap["config"] == {"max_slots": 1024, "lock_key": 20260725, "max_caps": 4096,
-                                  "slot_memory_kb": 2048, "flush_interval_ms": 3_600_000}
+                                  "slot_memory_kb": 2048, "max_leases": 4096,
+                                  "flush_interval_ms": 3_600_000}
         assert [cap["cap"] for cap in snap["caps"]] == ["default", "exports"]
         d, e = snap["caps"]
         assert d["totals"] == {"acquired": 1, "throttled": 7, "released": 0,
                                "foreign_releases": 0, "released_by_exit": 0, "waits": 0,
-                               "wait_timeouts": 0, "wait_time": 0, "hold_time": 0}
+                               "wait_timeouts": 0, "wait_time": 0, "hold_time": 0,
+                               "expired": 0}
         assert d["flushed"]["throttled"] == 5 and d["pending"]["throttled"] == 2
         assert d["flushed_at"] == one(c, "SELECT flushed_at::text FROM stage_e_throttle_counter")
         assert (d["key"], d["held"]) == (20260725, 1)
@@ -323,6 +325,7 @@ def test_snapshot_is_a_monitoring_document(manual):
         h = snap["holders"][0]
         assert (h["cap"], h["slot"], h["pid"], h["application_name"], h["state"]) == (
             "default", 0, holder.info.backend_pid, "holder", "idle")
+        assert (h["token"], h["expires_at"]) == (None, None)  # a session slot, not a lease
         assert snap["holders"][1]["cap"] == "exports"
         assert snap["memory"]["caps_in_use"] >= 2 and snap["memory"]["max_caps"] == 4096
         assert set(snap) == {"database", "config", "memory", "held", "caps", "holders"}

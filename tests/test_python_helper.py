@@ -353,3 +353,369 @@ def test_k_slots_at_once_are_a_list_and_all_released(dsn, connect):
             assert more is None  # only one left: all or nothing
     assert observer.execute("SELECT * FROM stage_e_slot_holders").fetchall() == []
     assert stats(observer, "multi")["released"] == 3
+
+
+# -- leases (0.4.0): slots held by a token, through any connection -------------------------------
+
+from datetime import timedelta  # noqa: E402
+import time  # noqa: E402
+
+from pgbouncer import PgBouncer  # noqa: E402
+from stage_e_slot import Lease, LeaseLost, _lease_statements, stage_e_lease  # noqa: E402
+
+
+@pytest.fixture
+def lease_dsn(dsn):
+    """The test database's DSN for leases; this thread's lease connection for it is closed at
+    the end."""
+    yield dsn
+    _lease_statements(dsn).close()
+
+
+def leases(conn, cap):
+    """(slot, token, pid, live) of the cap's rows in stage_e_slot_holders."""
+    return conn.execute(
+        "SELECT slot, token, pid, expires_at > clock_timestamp() FROM stage_e_slot_holders "
+        "WHERE cap = %s ORDER BY slot", (cap,)).fetchall()
+
+
+def expires_at(conn, cap, slot):
+    return one(conn, "SELECT expires_at FROM stage_e_slot_holders WHERE cap = %s AND slot = %s",
+               (cap, slot))
+
+
+def test_lease_is_taken_on_entry_and_released_by_token_on_exit(lease_dsn, connect):
+    observer = connect("observer")
+    assert leases(observer, "exports") == []
+    with stage_e_lease(lease_dsn, "exports", 2, ttl=30) as lease:
+        assert isinstance(lease, Lease)
+        assert lease.slot == 0 and lease.token > 0 and lease.lost is False
+        [(slot, token, pid, live)] = leases(observer, "exports")
+        assert (slot, token, live) == (0, lease.token, True)
+        assert pid != observer.info.backend_pid
+        # Held by its token, not by a session: no advisory lock anywhere.
+        assert cap_lock_holders(observer, "exports") == []
+        assert lease.still_held()
+        s = stats(observer, "exports")
+        assert (s["held"], s["acquired"], s["released"]) == (1, 1, 0)
+    assert leases(observer, "exports") == []
+    assert lease.lost is False and not lease.still_held()
+    s = stats(observer, "exports")
+    assert (s["held"], s["acquired"], s["released"]) == (0, 1, 1)
+    assert (s["foreign_releases"], s["expired"], s["released_by_exit"]) == (0, 0, 0)
+
+
+def test_an_exception_in_the_region_still_releases_the_lease(lease_dsn, connect):
+    observer = connect("observer")
+    with pytest.raises(RuntimeError, match="work failed"):
+        with stage_e_lease(lease_dsn, "exports", 1, ttl=30) as lease:
+            assert lease.slot == 0
+            raise RuntimeError("work failed")
+    assert leases(observer, "exports") == []
+    assert stats(observer, "exports")["released"] == 1
+
+
+def test_throttled_lease_yields_none_and_is_counted(lease_dsn, connect):
+    blocker, observer = connect("blocker"), connect("observer")
+    slot, token = blocker.execute("SELECT * FROM stage_e_lease('exports', 1, '30 s')").fetchone()
+    assert slot == 0
+    with stage_e_lease(lease_dsn, "exports", 1, ttl=30) as lease:
+        assert lease is None
+    assert stats(observer, "exports")["throttled"] == 1
+    # With a wait: a timeout is throttled too (counted as a timed-out wait)...
+    with stage_e_lease(lease_dsn, "exports", 1, ttl=30, wait=timedelta(milliseconds=200)) as lease:
+        assert lease is None
+    s = stats(observer, "exports")
+    assert (s["throttled"], s["wait_timeouts"]) == (2, 1)
+    # ...and the blocker's release by token wakes a waiting lease.
+    got = []
+    t = threading.Thread(target=lambda: got.append(_take_and_release(lease_dsn)))
+    t.start()
+    wait_for(lambda: one(observer, "SELECT count(*) FROM stage_e_slot_waiters") == 1,
+             what="the lease to wait")
+    assert one(blocker, "SELECT stage_e_release_lease('exports', 0, %s)", (token,)) is True
+    t.join(10)
+    assert len(got) == 1 and got[0][0] == 0 and got[0][1] > token
+    assert leases(observer, "exports") == []
+
+
+def _take_and_release(dsn):
+    try:
+        with stage_e_lease(dsn, "exports", 1, ttl=30, wait=30) as lease:
+            return lease.slot, lease.token
+    finally:
+        _lease_statements(dsn).close()
+
+
+def test_renew_extends_the_lease_past_its_original_ttl(lease_dsn, connect):
+    observer = connect("observer")
+    with stage_e_lease(lease_dsn, "renewed", 1, ttl=1) as lease:
+        first = expires_at(observer, "renewed", 0)
+        time.sleep(0.4)
+        assert lease.renew(ttl=3) is True
+        second = expires_at(observer, "renewed", 0)
+        assert second - first > timedelta(seconds=2)
+        time.sleep(1.0)  # 1.4 s after the take: past the original ttl
+        assert lease.still_held()
+        assert expires_at(observer, "renewed", 0) == second  # reading does not extend it
+        # Still taken, for everyone else.
+        assert observer.execute("SELECT * FROM stage_e_lease('renewed', 1, '30 s')"
+                                ).fetchone() == (None, None)
+        assert lease.renew() is True  # its own ttl (1 s) from now
+        assert lease.still_held() and lease.lost is False
+    s = stats(observer, "renewed")
+    assert (s["acquired"], s["released"], s["expired"], s["foreign_releases"]) == (1, 1, 0, 0)
+    with pytest.raises(RuntimeError, match="region has ended"):
+        lease.renew()
+
+
+def test_still_held_turns_false_at_expiry_and_the_exit_raises_lease_lost(
+        cluster, lease_dsn, connect, caplog):
+    observer = connect("observer")
+    since = len(cluster.log_text())
+    with caplog.at_level(logging.ERROR, logger="stage_e_slot"):
+        with pytest.raises(LeaseLost) as lost:
+            with stage_e_lease(lease_dsn, "expiring", 1, ttl=0.3) as lease:
+                assert lease.still_held()
+                time.sleep(0.6)
+                assert not lease.still_held()
+                assert lease.lost is False  # a read, not a verdict: the release decides
+    assert lost.value.cap == "expiring" and lost.value.token == lease.token
+    assert lease.lost is True
+    assert "was lost before its region ended" in caplog.text
+    s = stats(observer, "expiring")
+    assert (s["acquired"], s["expired"], s["released"], s["held"]) == (1, 1, 0, 0)
+    # The release found the lease expired (and freed it then), or the background worker's
+    # sweep freed it first; either way the late release is a foreign one, counted once.
+    log = cluster.log_text()[since:]
+    swept_first = "stage_e_release_lease: the token is not the current lease" in log
+    assert swept_first or 'the lease of slot 0 of cap "expiring" had expired' in log
+    assert s["foreign_releases"] == 1
+
+
+def test_a_renewal_that_finds_the_lease_expired_marks_it_lost_and_skips_the_release(
+        lease_dsn, connect, caplog):
+    observer = connect("observer")
+    with caplog.at_level(logging.ERROR, logger="stage_e_slot"):
+        with pytest.raises(LeaseLost, match="a renewal found it expired"):
+            with stage_e_lease(lease_dsn, "expiring", 1, ttl=0.2) as lease:
+                time.sleep(0.4)
+                assert lease.renew() is False
+                assert lease.lost is True
+                assert lease.renew() is False and not lease.still_held()
+    s = stats(observer, "expiring")
+    # Counted once, as expired; the exit did not release a lease the server had freed.
+    assert (s["expired"], s["released"], s["foreign_releases"]) == (1, 0, 0)
+
+
+def test_a_lost_lease_does_not_mask_the_regions_own_exception(lease_dsn, connect):
+    observer = connect("observer")
+    with pytest.raises(RuntimeError, match="work failed") as failed:
+        with stage_e_lease(lease_dsn, "expiring", 1, ttl=0.2):
+            time.sleep(0.4)
+            raise RuntimeError("work failed")
+    assert any("was lost before its region ended" in note
+               for note in getattr(failed.value, "__notes__", []))
+    assert stats(observer, "expiring")["expired"] == 1
+
+
+def test_the_release_runs_on_a_fresh_connection_when_the_taking_one_died(lease_dsn, connect):
+    """A lease needs no particular session: the backend that took it is terminated mid-region,
+    and the release by token runs on a new connection, and frees it."""
+    observer = connect("observer")
+    with stage_e_lease(lease_dsn, "exports", 2, ttl=30) as lease:
+        [(_, _, taker, _)] = leases(observer, "exports")
+        assert one(observer, "SELECT pg_terminate_backend(%s)", (taker,)) is True
+        wait_for(lambda: one(observer, "SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                             (taker,)) == 0, what="the taking backend to exit")
+        # The slot did not go with its session.
+        assert [r[:2] for r in leases(observer, "exports")] == [(0, lease.token)]
+    assert lease.lost is False
+    assert leases(observer, "exports") == []
+    s = stats(observer, "exports")
+    assert (s["released"], s["foreign_releases"], s["released_by_exit"], s["expired"]) == (
+        1, 0, 0, 0)
+    releaser = one(observer, "SELECT pid FROM pg_stat_activity WHERE application_name = %s",
+                   (f"stage_e_lease:{os.getpid()}",))
+    assert releaser is not None and releaser != taker
+
+
+def test_through_pgbouncer_transaction_mode_the_release_lands_on_another_server_connection(
+        cluster, db, connect):
+    observer = connect("observer")
+    with PgBouncer(cluster, pool_mode="transaction", pool_size=2) as bouncer:
+        dsn = bouncer.conninfo(db, "lease-client")
+        b = bouncer.connect(db, autocommit=False, application_name="client-b")
+        c = bouncer.connect(db, autocommit=False, application_name="client-c")
+        try:
+            with stage_e_lease(dsn, "pooled", 2, ttl=30) as lease:
+                assert lease.slot == 0
+                [(_, _, taker, _)] = leases(observer, "pooled")
+                # B and C take the pool's two server connections, one of them the taker...
+                pid_b, pid_c = one(b, "SELECT pg_backend_pid()"), one(c, "SELECT pg_backend_pid()")
+                assert pid_b != pid_c and taker in (pid_b, pid_c)
+                holder_tx, other_tx = (b, c) if pid_b == taker else (c, b)
+                other = pid_c if pid_b == taker else pid_b
+                # ...then only the other one is freed: the release can only run there.
+                other_tx.commit()
+            assert lease.lost is False
+            assert one(observer, "SELECT query FROM pg_stat_activity WHERE pid = %s",
+                       (other,)).startswith("SELECT stage_e_release_lease(")
+            holder_tx.commit()
+        finally:
+            b.close()
+            c.close()
+            _lease_statements(dsn).close()
+    assert leases(observer, "pooled") == []
+    s = stats(observer, "pooled")
+    assert (s["acquired"], s["released"], s["foreign_releases"], s["expired"]) == (1, 1, 0, 0)
+
+
+def test_many_clients_through_pgbouncer_transaction_mode_keep_the_cap(cluster, db, connect):
+    """Eight threads, each with its own client connection, share two server connections; each
+    region renews and reads its lease, so takes, renewals and releases land on either server
+    connection. The cap of 3 binds, no slot is shared, and every count is exact."""
+    observer = connect("observer")
+    clients, rounds, n = 8, 6, 3
+    results, errors = [], []
+    with PgBouncer(cluster, pool_mode="transaction", pool_size=2) as bouncer:
+        dsn = bouncer.conninfo(db, "lease-client")
+
+        def client():
+            try:
+                for _ in range(rounds):
+                    with stage_e_lease(dsn, "many", n, ttl=30) as lease:
+                        if lease is None:
+                            results.append(("throttled", None, None, None, None))
+                            time.sleep(0.01)
+                            continue
+                        start = time.monotonic()
+                        time.sleep(0.02)
+                        assert lease.renew() and lease.still_held()
+                        time.sleep(0.02)
+                        results.append(("ran", lease.slot, lease.token, start, time.monotonic()))
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                errors.append(e)
+            finally:
+                _lease_statements(dsn).close()
+
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        # The pooler's server connections to this database: every backend here but ours.
+        servers = one(observer, "SELECT count(*) FROM pg_stat_activity WHERE datname = %s "
+                                "AND backend_type = 'client backend' AND pid <> pg_backend_pid()",
+                      (db,))
+    assert errors == []
+    assert 1 <= servers <= 2  # eight clients, at most two server connections
+    ran = [r for r in results if r[0] == "ran"]
+    throttled = len(results) - len(ran)
+    assert len(results) == clients * rounds and ran
+    assert len({r[2] for r in ran}) == len(ran)  # every lease had a token of its own
+    assert all(0 <= r[1] < n for r in ran)
+    assert not any(a[1] == b[1] and a[3] < b[4] and b[3] < a[4]
+                   for i, a in enumerate(ran) for b in ran[i + 1:])
+    events = sorted([(r[3], 1) for r in ran] + [(r[4], -1) for r in ran])
+    at_once = best = 0
+    for _, d in events:
+        at_once += d
+        best = max(best, at_once)
+    assert best <= n
+    s = stats(observer, "many")
+    assert (s["acquired"], s["released"], s["throttled"]) == (len(ran), len(ran), throttled)
+    assert (s["foreign_releases"], s["expired"], s["held"]) == (0, 0, 0)
+
+
+def test_on_a_psycopg_connection_never_prepared_even_through_pgbouncer(cluster, db, connect):
+    """A connection the caller owns: the helper's statements run on it, never as server-side
+    prepared statements (prepare_threshold=0 would prepare everything on first use), so a
+    transaction pooler is fine whatever the connection's settings."""
+    observer = connect("observer")
+    conn = cluster.connect(db, "owner", prepare_threshold=0)
+    try:
+        for _ in range(3):
+            with stage_e_lease(conn, "owned", 1, ttl=30) as lease:
+                assert lease.slot == 0
+                assert [r[:3] for r in leases(observer, "owned")] == [
+                    (0, lease.token, conn.info.backend_pid)]
+                assert lease.renew() and lease.still_held()
+        assert conn.execute("SELECT count(*) FROM pg_prepared_statements",
+                            prepare=False).fetchone()[0] == 0
+        conn.execute("SELECT 1")  # the check: this connection does prepare what it is not told
+        assert conn.execute("SELECT count(*) FROM pg_prepared_statements",
+                            prepare=False).fetchone()[0] == 1
+    finally:
+        conn.close()
+    with PgBouncer(cluster, pool_mode="transaction", pool_size=2) as bouncer:
+        pooled = bouncer.connect(db, application_name="owner", prepare_threshold=0)
+        other = bouncer.connect(db, application_name="other")
+        try:
+            for i in range(8):
+                with stage_e_lease(pooled, "owned", 1, ttl=30) as lease:
+                    assert lease.slot == 0
+                    other.execute("SELECT 1")  # a second client in the pool meanwhile
+                    assert lease.renew() and lease.still_held()
+        finally:
+            pooled.close()
+            other.close()
+    s = stats(observer, "owned")
+    assert (s["acquired"], s["released"], s["foreign_releases"]) == (11, 11, 0)
+
+
+def test_a_closed_connection_of_the_callers_cannot_release_and_the_ttl_frees_the_slot(
+        cluster, db, connect, caplog):
+    observer = connect("observer")
+    conn = cluster.connect(db, "owner")
+    with caplog.at_level(logging.ERROR, logger="stage_e_slot"):
+        with stage_e_lease(conn, "owned", 1, ttl=0.5) as lease:
+            conn.close()
+        # Not lost (the ttl has not passed), but not released either: said, not raised.
+        assert "could not be released, its connection is gone" in caplog.text
+    assert lease.lost is False
+    assert [r[:2] for r in leases(observer, "owned")] == [(0, lease.token)]
+    # The ttl frees it: the next lease that finds the slot taken looks at its expiry.
+    time.sleep(0.6)
+    slot, _ = observer.execute("SELECT * FROM stage_e_lease('owned', 1, '30 s')").fetchone()
+    assert slot == 0
+    assert stats(observer, "owned")["expired"] == 1
+
+
+def test_a_lease_starts_no_thread(lease_dsn, connect):
+    """Nothing runs behind the region's back: no renewer, no watchdog that could stop healthy
+    work when a renewal fails. A lease nobody renews expires."""
+    before, count = set(threading.enumerate()), threading.active_count()
+    with pytest.raises(LeaseLost):
+        with stage_e_lease(lease_dsn, "exports", 1, ttl=0.5) as lease:
+            assert set(threading.enumerate()) == before
+            assert lease.renew() and lease.still_held()
+            assert set(threading.enumerate()) == before
+            time.sleep(0.7)  # nothing renewed it behind our back
+            assert not lease.still_held()
+            assert threading.active_count() == count
+            assert lease.renew() is False
+    assert set(threading.enumerate()) == before and threading.active_count() == count
+
+
+def test_unreachable_database_is_throttled_and_bad_arguments_raise(lease_dsn, caplog):
+    bad = "host=/nonexistent port=1 user=nobody dbname=none"
+    try:
+        with caplog.at_level(logging.WARNING, logger="stage_e_slot"):
+            with stage_e_lease(bad, "exports", 1, ttl=30) as lease:
+                assert lease is None
+        assert "treating as throttled" in caplog.text
+    finally:
+        _lease_statements(bad).close()
+    with pytest.raises(ValueError, match="ttl must be positive"):
+        with stage_e_lease(lease_dsn, "exports", 1, ttl=0):
+            pass
+    with pytest.raises(TypeError, match="cap must be a cap name"):
+        with stage_e_lease(lease_dsn, 4, 1, ttl=30):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="out of range"):
+        with stage_e_lease(lease_dsn, "exports", 0, ttl=30):
+            pass
+    with pytest.raises(TypeError, match="a connection with cursor"):
+        with stage_e_lease(42, "exports", 1, ttl=30):  # type: ignore[arg-type]
+            pass

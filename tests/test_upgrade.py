@@ -46,6 +46,13 @@ UNION ALL
 SELECT 'index ' || pg_get_indexdef(i.indexrelid)
   FROM members m JOIN pg_index i ON m.classid = 'pg_class'::regclass AND i.indrelid = m.objid
 UNION ALL
+SELECT 'type ' || t.typname || ' ('
+       || (SELECT string_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod), ', '
+                             ORDER BY a.attnum)
+             FROM pg_attribute a WHERE a.attrelid = t.typrelid AND a.attnum > 0)
+       || ') comment=' || coalesce(obj_description(t.oid, 'pg_type'), '-')
+  FROM members m JOIN pg_type t ON m.classid = 'pg_type'::regclass AND t.oid = m.objid
+UNION ALL
 SELECT 'dumped data ' || cfg::regclass::text || ' where ' || coalesce(cond, '-')
   FROM ext, unnest(ext.extconfig, ext.extcondition) AS u(cfg, cond)
 UNION ALL
@@ -234,3 +241,53 @@ def test_a_0_2_0_database_is_served_then_updated_with_its_counts(uc):
         assert one(other, "SELECT stage_e_release_all()") == 1
     uc.create_database("fresh3")
     assert describe(uc, "v020") == describe(uc, "fresh3")
+
+
+def test_a_0_3_0_database_is_served_then_updated_with_its_counts_and_holder(uc):
+    uc.create_database("v030", extension=False)
+    uc.sql("CREATE EXTENSION stage_e_slots VERSION '0.3.0'", dbname="v030")
+    with uc.connect("v030", "holder") as holder, uc.connect("v030", "other") as other, \
+            uc.connect("v030", "observer") as observer:
+        # The library serves 0.3.0's SQL, with 0.3.0's nine counters and holders without the
+        # lease columns.
+        assert one(holder, "SELECT stage_e_try_slot('jobs', 1)") == 0
+        assert one(other, "SELECT stage_e_try_slot('jobs', 1, '20 ms')") is None
+        stats = observer.execute("SELECT * FROM stage_e_stats()").fetchall()
+        assert [r[:10] for r in stats] == [("jobs", 1024, 1, 1, 1, 0, 0, 0, 1, 1)]
+        assert len(stats[0]) == 12
+        flushed = observer.execute("SELECT * FROM stage_e_flush()").fetchall()
+        assert [r[:8] for r in flushed] == [("jobs", 1, 1, 0, 0, 0, 1, 1)] and len(flushed[0]) == 10
+        assert one(other, "SELECT stage_e_try_slot('jobs', 1)") is None  # pending
+        pending = observer.execute("SELECT * FROM stage_e_pending()").fetchall()
+        assert [r[:3] for r in pending] == [("jobs", 0, 1)] and len(pending[0]) == 10
+        assert observer.execute("SELECT cap, slot, pid FROM stage_e_slot_holders").fetchall() == [
+            ("jobs", 0, holder.info.backend_pid)]
+        assert "token" not in [d.name for d in observer.execute(
+            "SELECT * FROM stage_e_slot_holders").description]
+        snap = one(observer, "SELECT stage_e_snapshot()")
+        assert snap["caps"][0]["totals"]["throttled"] == 2
+        assert snap["holders"][0]["token"] is None
+
+        observer.execute("ALTER EXTENSION stage_e_slots UPDATE")
+        assert one(observer, "SELECT extversion FROM pg_extension "
+                             "WHERE extname = 'stage_e_slots'") == CURRENT
+        # The holder kept its slot, the row its counts, and the new column starts at zero.
+        assert one(holder, "SELECT stage_e_holding('jobs', 0)") is True
+        assert observer.execute("SELECT cap, acquired, throttled, waits, expired "
+                                "FROM stage_e_throttle_counter").fetchall() == [
+            ("jobs", 1, 1, 1, 0)]
+        assert observer.execute("SELECT cap, throttled, pending_throttled, expired "
+                                "FROM stage_e_throttle_totals").fetchall() == [("jobs", 2, 1, 0)]
+        # 0.4.0 behaviour: a fencing token for the session slot, leases beside session slots.
+        token = one(holder, "SELECT stage_e_slot_token('jobs', 0)")
+        assert token is not None
+        assert one(other, "SELECT stage_e_lease('jobs', 1, '10 s')") is None  # n shared
+        lease = other.execute("SELECT * FROM stage_e_lease('jobs', 2, '10 s')").fetchone()
+        assert lease[0] == 1 and lease[1] > token
+        assert observer.execute("SELECT cap, slot, token IS NOT NULL FROM stage_e_slot_holders "
+                                "ORDER BY slot").fetchall() == [("jobs", 0, False),
+                                                                ("jobs", 1, True)]
+        assert one(observer, "SELECT stage_e_release_lease('jobs', 1, %s)", (lease[1],)) is True
+        assert one(holder, "SELECT stage_e_release_all()") == 1
+    uc.create_database("fresh4")
+    assert describe(uc, "v030") == describe(uc, "fresh4")

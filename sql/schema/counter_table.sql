@@ -1,6 +1,7 @@
 -- The durable counters: one row per cap of this database, inserted by the cap's first flush
 -- and added to once per flush interval (one statement per database, whatever the rate).
--- The wait and hold counters (0.3.0) come after flush_id, where the update from 0.2.0 adds them.
+-- The wait and hold counters (0.3.0) come after flush_id, where the update from 0.2.0 adds them,
+-- and expired (0.4.0) after them.
 -- Every statement of the extension names this table with its schema (see src/sql.rs).
 CREATE TABLE stage_e_throttle_counter (
     cap              text PRIMARY KEY
@@ -15,7 +16,8 @@ CREATE TABLE stage_e_throttle_counter (
     waits            bigint NOT NULL DEFAULT 0,
     wait_timeouts    bigint NOT NULL DEFAULT 0,
     wait_time        interval NOT NULL DEFAULT '0',
-    hold_time        interval NOT NULL DEFAULT '0'
+    hold_time        interval NOT NULL DEFAULT '0',
+    expired          bigint NOT NULL DEFAULT 0
 );
 COMMENT ON TABLE stage_e_throttle_counter IS
   'Durable stage_e_slots counters of this database: one row per cap, written by its first flush and added to once per flush interval. Rows of caps no longer used may be deleted.';

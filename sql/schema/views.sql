@@ -19,7 +19,8 @@ SELECT COALESCE(c.cap, p.cap) AS cap,
        COALESCE(c.wait_timeouts, 0) OPERATOR(pg_catalog.+) COALESCE(p.wait_timeouts, 0)
          AS wait_timeouts,
        COALESCE(c.wait_time, '0') OPERATOR(pg_catalog.+) COALESCE(p.wait_time, '0') AS wait_time,
-       COALESCE(c.hold_time, '0') OPERATOR(pg_catalog.+) COALESCE(p.hold_time, '0') AS hold_time
+       COALESCE(c.hold_time, '0') OPERATOR(pg_catalog.+) COALESCE(p.hold_time, '0') AS hold_time,
+       COALESCE(c.expired, 0) OPERATOR(pg_catalog.+) COALESCE(p.expired, 0) AS expired
   FROM @extschema@.stage_e_throttle_counter AS c
   FULL JOIN @extschema@.stage_e_pending(
               (SELECT pg_catalog.max(r.flush_id) FROM @extschema@.stage_e_throttle_counter AS r)
@@ -37,12 +38,14 @@ SELECT h.cap,
        pg_catalog.clock_timestamp() OPERATOR(pg_catalog.-) h.acquired_at AS held_for,
        a.application_name,
        a.client_addr,
-       a.state
+       a.state,
+       h.token,
+       h.expires_at
   FROM @extschema@.stage_e_slot_holders_internal() AS h
   LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid OPERATOR(pg_catalog.=) h.pid
  ORDER BY h.cap, h.slot;
 COMMENT ON VIEW stage_e_slot_holders IS
-  'One row per held slot of each cap in the current database, from the lock manager, with the holder''s session.';
+  'One row per held slot of each cap in the current database: session slots from the lock manager, with the holder''s session, and leases with their token and expiry (pid is the backend that took the lease, which may be gone).';
 GRANT SELECT ON stage_e_slot_holders TO PUBLIC;
 
 -- Sessions waiting for slots, in queue order per cap (position 1 is next), with their session.

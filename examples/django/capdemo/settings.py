@@ -66,10 +66,22 @@ DATABASES = {
     }
 }
 
+# Through a transaction pooler (run_incident.py's lease mode points HOST/PORT at a PgBouncer in
+# pool_mode = transaction): each transaction may run on another server connection, so no
+# server-side prepared statements (Django's default for psycopg 3, said here) and no
+# server-side cursors, as Django's documentation asks for transaction pooling.
+if os.environ.get("CAPDEMO_POOLER") == "transaction":
+    DATABASES["default"]["OPTIONS"] = {"prepare_threshold": None}
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
+
 # The DSN the dedicated-connection helper uses: the same database, its own connection.
 STAGE_E_DSN = (f"host={os.environ['CAPDEMO_PGHOST']} port={os.environ['CAPDEMO_PGPORT']} "
                f"dbname={os.environ['CAPDEMO_PGDATABASE']} user=postgres")
 STAGE_E_CAP = 7
+# Lease mode: the cap the leases are taken of (a named cap of its own), and their ttl, far
+# longer than a region (about 0.15 s): a lease here ends by its release, never by expiry.
+STAGE_E_LEASE_CAP = "dispatch"
+STAGE_E_LEASE_TTL = 30
 
 Q_CLUSTER = {
     "name": "capdemo",

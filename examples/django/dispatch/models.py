@@ -18,3 +18,7 @@ class Outcome(models.Model):
     worker_pid = models.IntegerField()
     region_start = models.FloatField(null=True)
     region_end = models.FloatField(null=True)
+    # Lease mode: the lease's fencing token, and whether django.db.connection was closed and
+    # replaced during the region (the incident's trigger).
+    token = models.BigIntegerField(null=True)
+    reconnected = models.BooleanField(null=True)

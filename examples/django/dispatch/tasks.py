@@ -1,4 +1,4 @@
-"""The capped dispatch, in the two ways the incident's module held its slot."""
+"""The capped dispatch: the two ways the incident's module held its slot, and a lease."""
 
 import os
 import time
@@ -6,7 +6,7 @@ import time
 from django.conf import settings
 from django.db import connection
 
-from stage_e_slot import stage_e_slot
+from stage_e_slot import stage_e_lease, stage_e_slot
 
 from .models import Evidence, Outcome
 
@@ -28,16 +28,18 @@ def _region(batch):
     return start, time.time()
 
 
-def _log(batch, mode, slot, region=None):
+def _log(batch, mode, slot, region=None, **extra):
     start, end = region or (None, None)
     Outcome.objects.create(batch=batch, mode=mode, outcome="ran" if region else "throttled",
                            slot=slot, worker_pid=os.getpid(), region_start=start,
-                           region_end=end)
+                           region_end=end, **extra)
 
 
 def dispatch_micro_batch(batch, mode):
     if mode == "shared":
         return _dispatch_on_django_connection(batch)
+    if mode == "lease":
+        return _dispatch_with_a_lease(batch)
     return _dispatch_on_dedicated_connection(batch)
 
 
@@ -67,4 +69,21 @@ def _dispatch_on_dedicated_connection(batch):
             return "throttled"
         region = _region(batch)
     _log(batch, "dedicated", slot, region)
+    return "ran"
+
+
+def _dispatch_with_a_lease(batch):
+    """A lease on django.db.connection itself, which the runner points at PgBouncer in
+    transaction mode: the slot is held by the lease's token, not by a session, so the broker
+    closing the connection mid-region (exactly as in the shared mode) does not free it, and
+    the release by token lands on whatever server connection runs it."""
+    with stage_e_lease(connection, settings.STAGE_E_LEASE_CAP, settings.STAGE_E_CAP,
+                       ttl=settings.STAGE_E_LEASE_TTL) as lease:
+        if lease is None:
+            _log(batch, "lease", None)
+            return "throttled"
+        before = connection.connection  # the DB-API connection Django has open now
+        region = _region(batch)
+        reconnected = connection.connection is not before
+    _log(batch, "lease", lease.slot, region, token=lease.token, reconnected=reconnected)
     return "ran"
