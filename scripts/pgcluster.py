@@ -124,6 +124,17 @@ class Cluster:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def start_as_standby_of(self, primary: "Cluster") -> "Cluster":
+        """Makes this (not yet initialised) cluster a streaming standby of `primary`
+        (pg_basebackup -R) and starts it."""
+        self.base.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            shutil.chown(self.base, "postgres", "postgres")
+        self._run(str(bindir() / "pg_basebackup"), "-D", str(self.data), "-R",
+                  "-h", str(primary.base), "-p", str(primary.port), "-U", "postgres")
+        self.write_settings()
+        return self.start()
+
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
     """Polls `predicate` until it returns a truthy value; raises after `timeout` seconds."""

@@ -26,9 +26,10 @@
 //! whole blocks of `max_slots` slots (at least one).
 //!
 //! **Budget** at the defaults (max_caps 4096, slot_memory 2 MB, max_slots 1024): 2.9 MB of
-//! entries (712 bytes each), 32 kB of index, a waiter record and a 64-byte hazard slot per
-//! backend, 2 MB of arena and 100 kB of allocator state: 5.1 MB in all (`make bench` measures
-//! it); 4,096 caps of n ≤ 15 fit at once (8,192 pages), or 64 caps of n = 1,024, or any mix.
+//! entries (712 bytes each), 32 kB of index, 192 kB of lease records (max_leases 4096, 48 bytes
+//! each), a waiter record and a 64-byte hazard slot per backend, 2 MB of arena and 100 kB of
+//! allocator state: 5.3 MB in all (`make bench` measures it); 4,096 caps of n ≤ 15 fit at
+//! once (8,192 pages), or 64 caps of n = 1,024, or any mix.
 //!
 //! **Concurrency.** The hot path takes no LWLock: a backend finds a cap through its local cache
 //! (`session`), *pins* the entry, claims a slot bit with a CAS, asks the lock manager, and
@@ -85,13 +86,23 @@ struct Header {
 #[repr(C)]
 pub struct Counters([AtomicU64; COUNT]);
 
+/// The counters every call bumps, on cache lines of their own, with the other fields that
+/// change as slots are taken: the fencing token (bumped with `acquired`) and the leases.
 #[repr(C, align(64))]
-struct HotCounters(Counters);
+struct HotCounters {
+    counts: Counters,
+    /// The last fencing token handed out (see "Leases and tokens").
+    last_token: AtomicU64,
+    /// Live leases, and no lease expires before `lease_due` (a lower bound).
+    leases: AtomicU32,
+    _pad: u32,
+    lease_due: AtomicI64,
+}
 
 impl std::ops::Deref for HotCounters {
     type Target = Counters;
     fn deref(&self) -> &Counters {
-        &self.0
+        &self.counts
     }
 }
 
@@ -152,6 +163,16 @@ pub struct CapEntry {
     flusher: AtomicI32,
     hash: AtomicU64,
     name: [AtomicU64; 8],
+    /// Waiters (see "Waiting" below): how many (read by every call), then the next ticket and
+    /// the first [`FRONT`] of them in ticket order (the ones that may take slots). Changed
+    /// under the waits lock.
+    waiters: AtomicU32,
+    _pad: u32,
+    /// Id of the flush in progress (0 = none; its delta is `inflight`), and the seqlock over
+    /// carried/flushed/inflight (odd while the flusher updates them). Rarely written; here,
+    /// they fill the first cache line.
+    inflight_id: AtomicU64,
+    version: AtomicU64,
     /// Counted since the cap was created (the hot path writes only these), on cache lines of
     /// their own: every call bumps one, and the fields above are read by every call.
     counters: HotCounters,
@@ -159,15 +180,8 @@ pub struct CapEntry {
     carried: Counters,
     /// Value of `counters` at the last committed flush.
     flushed: Counters,
-    /// Delta written by the flush in progress, under the id `inflight_id` (0 = none).
+    /// Delta written by the flush in progress.
     inflight: Counters,
-    inflight_id: AtomicU64,
-    /// Seqlock over carried/flushed/inflight: odd while the flusher updates them.
-    version: AtomicU64,
-    /// Waiters (see "Waiting" below): how many, the next ticket, and the first [`FRONT`] of
-    /// them in ticket order (the ones that may take slots). Changed under the waits lock.
-    waiters: AtomicU32,
-    _pad: u32,
     tail: AtomicU64,
     front: [Seat; FRONT],
     /// Load averages over 1, 5 and 15 minutes (f64 bits), written by the launcher only.
@@ -175,12 +189,6 @@ pub struct CapEntry {
     load_throttles: [AtomicU64; 3],
     load_last_throttled: AtomicU64,
     load_last_us: AtomicI64,
-    /// The last fencing token handed out (see "Leases and tokens").
-    last_token: AtomicU64,
-    /// Live leases, and no lease expires before `lease_due` (a lower bound).
-    leases: AtomicU32,
-    _pad3: u32,
-    lease_due: AtomicI64,
 }
 
 /// A lease (see "Leases and tokens"): FREE, or LIVE on slot `slot` of the cap in entry `entry`
@@ -991,9 +999,9 @@ impl Segment {
         self.clear_block(e);
         e.key.store(key, Ordering::Relaxed);
         e.set_name(name);
-        e.last_token.store(token_base(), Ordering::Relaxed);
-        e.leases.store(0, Ordering::Relaxed);
-        e.lease_due.store(i64::MAX, Ordering::Relaxed);
+        e.counters.last_token.store(token_base(), Ordering::Relaxed);
+        e.counters.leases.store(0, Ordering::Relaxed);
+        e.counters.lease_due.store(i64::MAX, Ordering::Relaxed);
         let hash = directory::index_hash(db, name);
         e.hash.store(hash, Ordering::Relaxed);
         e.dboid.store(db, Ordering::Release);
@@ -1757,17 +1765,21 @@ impl LeaseRecord {
 impl Cap {
     /// The next fencing token of this cap.
     pub fn next_token(&self) -> u64 {
-        self.entry.last_token.fetch_add(1, Ordering::Relaxed) + 1
+        self.entry
+            .counters
+            .last_token
+            .fetch_add(1, Ordering::Relaxed)
+            + 1
     }
 
     /// Live leases of this cap.
     pub fn lease_count(&self) -> u32 {
-        self.entry.leases.load(Ordering::Acquire)
+        self.entry.counters.leases.load(Ordering::Acquire)
     }
 
     /// Whether a lease of this cap may have expired by `now`.
     pub fn lease_due(&self, now: i64) -> bool {
-        self.lease_count() > 0 && self.entry.lease_due.load(Ordering::Acquire) <= now
+        self.lease_count() > 0 && self.entry.counters.lease_due.load(Ordering::Acquire) <= now
     }
 
     /// Records a lease on `slot`, whose bit the caller has claimed; false when every lease
@@ -1793,13 +1805,16 @@ impl Cap {
             r.token.store(token, Ordering::Relaxed);
             r.acquired_at.store(now, Ordering::Relaxed);
             r.expires_at.store(expires_at, Ordering::Relaxed);
-            self.entry.leases.fetch_add(1, Ordering::AcqRel);
+            self.entry.counters.leases.fetch_add(1, Ordering::AcqRel);
             r.state.store(LIVE, Ordering::Release);
             self.record(slot).set(lease_marker(i), now);
             // Last: a sweep that reset `lease_due` before this either sees the slot record
             // above (the swap there reads this RMW's value or a later one) or is followed by
             // this lowering of it.
-            self.entry.lease_due.fetch_min(expires_at, Ordering::SeqCst);
+            self.entry
+                .counters
+                .lease_due
+                .fetch_min(expires_at, Ordering::SeqCst);
             return true;
         }
         false
@@ -1833,7 +1848,7 @@ impl Cap {
         let info = r.info();
         self.record(info.slot).clear();
         occupancy::clear(self.bits(), info.slot);
-        self.entry.leases.fetch_sub(1, Ordering::AcqRel);
+        self.entry.counters.leases.fetch_sub(1, Ordering::AcqRel);
         r.state.store(FREE, Ordering::Release);
         self.wake_front();
         info
@@ -1861,7 +1876,7 @@ impl Cap {
             match extend_to {
                 Some(t) => {
                     r.expires_at.store(t, Ordering::Relaxed);
-                    self.entry.lease_due.fetch_min(t, Ordering::SeqCst);
+                    self.entry.counters.lease_due.fetch_min(t, Ordering::SeqCst);
                     r.unlock();
                     (LeaseCheck::Live, Some(info))
                 }
@@ -1895,7 +1910,7 @@ impl Cap {
     /// scan, and every lease the scan keeps lowers it again, as does every lease started
     /// meanwhile (after its slot record is set): so no lease is ever left out of it.
     pub fn expire_leases(&self, now: i64) -> Vec<LeaseInfo> {
-        let due = &self.entry.lease_due;
+        let due = &self.entry.counters.lease_due;
         due.swap(i64::MAX, Ordering::SeqCst);
         let mut expired = Vec::new();
         for slot in 0..self.capacity() {

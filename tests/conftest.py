@@ -75,3 +75,12 @@ def slot_lock_holders(conn, n=None):
 
 
 __all__ = ["one", "stats", "slot_lock_holders", "wait_for", "KEY"]
+
+
+def cap_locks(conn, cap):
+    """(slot, pid) of the granted advisory locks of `cap` in this database, from pg_locks."""
+    return conn.execute(
+        "SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
+        "AND granted AND classid = stage_e_cap_key(%s)::oid AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY 1",
+        (cap,)).fetchall()

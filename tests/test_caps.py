@@ -7,20 +7,11 @@ import psycopg
 import pytest
 from psycopg import errors
 
-from conftest import KEY, one, slot_lock_holders, stats
+from conftest import KEY, cap_locks, one, slot_lock_holders, stats
 from pgcluster import Cluster, wait_for
 
 # Two names whose lock keys collide (found by search; src/directory.rs pins them too).
 COLLIDING = ("c128898", "c153422")
-
-
-def cap_locks(conn, cap):
-    """(slot, pid) of granted locks of `cap`, straight from pg_locks."""
-    return conn.execute(
-        "SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
-        "AND granted AND classid = stage_e_cap_key(%s)::oid AND database = "
-        "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY 1",
-        (cap,)).fetchall()
 
 
 def test_named_caps_have_their_own_slots_locks_and_counters(connect):

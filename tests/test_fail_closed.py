@@ -1,8 +1,5 @@
 """Bad input, missing preload, standby, settings: clear errors, never an uncapped slot."""
 
-import os
-import pwd
-
 import psycopg
 import pytest
 from psycopg import errors
@@ -134,14 +131,7 @@ def test_hot_standby_refuses_slots_and_reports_what_is_true_there():
             flushed_row = q.execute("SELECT throttled, acquired, flush_id "
                                     "FROM stage_e_throttle_counter").fetchone()
         assert flushed_row[:2] == (1, 1)
-        standby.base.mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0:
-            pw = pwd.getpwnam("postgres")
-            os.chown(standby.base, pw.pw_uid, pw.pw_gid)
-        standby._run(str(bindir() / "pg_basebackup"), "-D", str(standby.data), "-R",
-                     "-h", str(primary.base), "-p", str(primary.port), "-U", "postgres")
-        standby.write_settings()
-        standby.start()
+        standby.start_as_standby_of(primary)
         with standby.connect() as s:
             wait_for(lambda: one(s, "SELECT pg_is_in_recovery()"), what="standby in recovery")
             for call in ["SELECT stage_e_try_slot(8)", "SELECT stage_e_release(0)",

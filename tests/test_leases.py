@@ -24,8 +24,8 @@ import psycopg
 import pytest
 from psycopg import errors
 
-from conftest import one, stats
-from pgcluster import Cluster, bindir, wait_for
+from conftest import cap_locks, one, stats
+from pgcluster import Cluster, wait_for
 
 # The LOG line of an expiry, with the log_line_prefix ('%m [%p] %a: ') pid of who freed it.
 EXPIRY = re.compile(
@@ -71,15 +71,6 @@ def holders(conn, cap):
 def lease_rows(conn, cap):
     """(slot, pid, token, expires_at) of the cap's holders: what must not change."""
     return [(h["slot"], h["pid"], h["token"], h["expires_at"]) for h in holders(conn, cap)]
-
-
-def cap_locks(conn, cap):
-    """(slot, pid) of the cap's granted advisory locks in this database, from pg_locks."""
-    return conn.execute(
-        "SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
-        "AND granted AND classid = stage_e_cap_key(%s)::oid AND database = "
-        "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY 1",
-        (cap,)).fetchall()
 
 
 def server_now(conn):
@@ -805,13 +796,7 @@ def test_leases_are_refused_on_a_standby():
         primary.sql("CREATE EXTENSION stage_e_slots")
         with primary.connect() as p:
             slot, token = lease(p, "sb", 1, "1 h")
-        standby.base.mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0:
-            shutil.chown(standby.base, "postgres", "postgres")
-        standby._run(str(bindir() / "pg_basebackup"), "-D", str(standby.data), "-R",
-                     "-h", str(primary.base), "-p", str(primary.port), "-U", "postgres")
-        standby.write_settings()
-        standby.start()
+        standby.start_as_standby_of(primary)
         with standby.connect() as s:
             wait_for(lambda: one(s, "SELECT pg_is_in_recovery()"), what="standby in recovery")
             for call in ["SELECT stage_e_lease('sb', 1, '1 h')",

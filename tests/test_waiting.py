@@ -13,14 +13,8 @@ import psycopg
 import pytest
 from psycopg import errors
 
-from conftest import KEY, one, slot_lock_holders, stats
+from conftest import KEY, cap_locks, one, slot_lock_holders, stats
 from pgcluster import Cluster, wait_for
-
-
-def cap_locks(conn, cap):
-    return conn.execute(
-        "SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
-        "AND granted AND classid = stage_e_cap_key(%s)::oid ORDER BY 1", (cap,)).fetchall()
 
 
 def waiters(conn, cap=None):
