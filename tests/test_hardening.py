@@ -499,6 +499,43 @@ def test_execute_can_be_limited_to_worker_roles(cluster, db, connect):
     assert slot_lock_holders(admin) == []
 
 
+LEASE_FUNCTIONS = ("stage_e_lease(text, integer, interval, interval), "
+                   "stage_e_renew(text, integer, bigint, interval), "
+                   "stage_e_release_lease(text, integer, bigint)")
+
+
+def test_a_lease_token_is_not_a_secret_so_lease_functions_are_limited_like_slots(
+        cluster, db, connect):
+    """A token orders holders (fencing); it does not authenticate them: the holders view shows
+    it to everyone, and tokens are predictable. So by default any role that can connect may
+    free another's lease, and the README's recipe (EXECUTE for worker roles only) stops that."""
+    for role in ("intruder2", "worker_2", "workers2"):
+        cluster.sql(f"DROP ROLE IF EXISTS {role}")
+    cluster.sql("CREATE ROLE workers2 NOLOGIN")
+    cluster.sql("CREATE ROLE worker_2 LOGIN IN ROLE workers2")
+    cluster.sql("CREATE ROLE intruder2 LOGIN")
+    admin = connect()
+    with cluster.connect(db, user="worker_2") as w, cluster.connect(db, user="intruder2") as c:
+        slot, token = w.execute("SELECT * FROM stage_e_lease('jobs', 2, '1 h')").fetchone()
+        seen = c.execute("SELECT slot, token FROM stage_e_slot_holders WHERE cap = 'jobs'"
+                         ).fetchall()
+        assert seen == [(slot, token)]
+        # Open by default: the intruder frees the worker's lease with the token it read.
+        assert one(c, "SELECT stage_e_release_lease('jobs', %s, %s)", (slot, token)) is True
+        admin.execute(f"REVOKE EXECUTE ON FUNCTION {LEASE_FUNCTIONS} FROM PUBLIC")
+        admin.execute(f"GRANT EXECUTE ON FUNCTION {LEASE_FUNCTIONS} TO workers2")
+        slot, token = w.execute("SELECT * FROM stage_e_lease('jobs', 2, '1 h')").fetchone()
+        for call, args in [("SELECT stage_e_release_lease('jobs', %s, %s)", (slot, token)),
+                           ("SELECT stage_e_renew('jobs', %s, %s, '1 s')", (slot, token)),
+                           ("SELECT * FROM stage_e_lease('jobs', 2, '1 h')", ())]:
+            with pytest.raises(errors.InsufficientPrivilege):
+                c.execute(call, args)
+        assert c.execute("SELECT slot, token FROM stage_e_slot_holders WHERE cap = 'jobs'"
+                         ).fetchall() == [(slot, token)]
+        assert one(w, "SELECT stage_e_release_lease('jobs', %s, %s)", (slot, token)) is True
+    admin.execute(f"GRANT EXECUTE ON FUNCTION {LEASE_FUNCTIONS} TO PUBLIC")
+
+
 # -- a full lock table -------------------------------------------------------------------------
 
 def test_a_full_lock_table_is_a_clear_error_without_a_backtrace_and_leaks_nothing():
