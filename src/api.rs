@@ -16,7 +16,7 @@ use crate::gucs;
 use crate::shmem;
 use crate::slots::{self, Release, SlotError};
 use crate::sql;
-use crate::waiting::Wait;
+use crate::waiting::{self, Wait};
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
 use serde::Serialize;
@@ -108,12 +108,9 @@ fn to_wait(wait: Option<Interval>) -> Wait {
         .unwrap_or_else(|e| raise(e))
 }
 
-/// An interval as microseconds (a month as 30 days, as PostgreSQL's interval arithmetic
-/// does); saturating, so 'infinity' is a very long time.
+/// An interval as microseconds, saturating, so 'infinity' is a very long time.
 fn to_micros(i: Interval) -> i64 {
-    let us = i.micros() as i128
-        + i.days() as i128 * 86_400_000_000
-        + i.months() as i128 * 2_592_000_000_000;
+    let us = waiting::interval_micros(i.months(), i.days(), i.micros());
     us.clamp(i64::MIN as i128, i64::MAX as i128) as i64
 }
 
@@ -284,14 +281,19 @@ for_each_counter!(counter_table_fn,
     /// and the slots held now (from the lock manager).
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
     fn stage_e_stats_v4() -> (cap: String, max_slots: i32, held: i32) {
-        let max_slots = gucs::max_slots() as i32;
-        slots::stats()
-            .unwrap_or_else(|e| raise(e))
-            .into_iter()
-            .map(|s| ((s.cap, max_slots, s.held as i32), s.counts))
-            .collect()
+        stats_rows()
     }
 );
+
+/// The rows of `stage_e_stats()` (since 0.2.0; each version shows its own counters).
+pub fn stats_rows() -> Vec<((String, i32, i32), CounterValues)> {
+    let max_slots = gucs::max_slots() as i32;
+    slots::stats()
+        .unwrap_or_else(|e| raise(e))
+        .into_iter()
+        .map(|s| ((s.cap, max_slots, s.held as i32), s.counts))
+        .collect()
+}
 
 /// Held slots of the current database (lock manager truth) and leases (with their token and
 /// expiry); the view adds session columns.
@@ -327,15 +329,20 @@ for_each_counter!(counter_table_fn,
     /// added, per cap. Restricted (EXECUTE revoked from PUBLIC): superusers and the owner.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_flush")]
     fn stage_e_flush_v4() -> (cap: String) {
-        slots::ready().unwrap_or_else(|e| raise(e));
-        flush::flush(Write::Add, None, true)
-            .unwrap_or_else(|e| raise_flush(e))
-            .unwrap_or_else(|| raise_not_installed())
-            .into_iter()
-            .map(|(cap, v)| ((cap,), v))
-            .collect()
+        flush_rows()
     }
 );
+
+/// Flushes every cap now; the rows of `stage_e_flush()`: what it added, per cap.
+pub fn flush_rows() -> Vec<((String,), CounterValues)> {
+    slots::ready().unwrap_or_else(|e| raise(e));
+    flush::flush(Write::Add, None, true)
+        .unwrap_or_else(|e| raise_flush(e))
+        .unwrap_or_else(|| raise_not_installed())
+        .into_iter()
+        .map(|(cap, v)| ((cap,), v))
+        .collect()
+}
 
 /// Zeroes every cap's stage_e_throttle_counter row and pending counts. Restricted.
 #[pg_extern(volatile, parallel_unsafe)]
@@ -377,13 +384,18 @@ for_each_counter!(counter_table_fn,
     /// is not counted twice.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_pending")]
     fn stage_e_pending_v4(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
-        slots::attached().unwrap_or_else(|e| raise(e));
-        flush::pending(row_flush_id)
-            .into_iter()
-            .map(|(cap, v)| ((cap,), v))
-            .collect()
+        pending_rows(row_flush_id)
     }
 );
+
+/// The rows of `stage_e_pending(row_flush_id)`: per cap, the counts not yet in the table.
+pub fn pending_rows(row_flush_id: Option<i64>) -> Vec<((String,), CounterValues)> {
+    slots::attached().unwrap_or_else(|e| raise(e));
+    flush::pending(row_flush_id)
+        .into_iter()
+        .map(|(cap, v)| ((cap,), v))
+        .collect()
+}
 
 /// Sessions waiting for slots in the current database (`stage_e_slot_waiters` adds session
 /// columns): position 1 is the head of its cap's queue.

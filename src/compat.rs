@@ -9,7 +9,7 @@
 //! - 0.2.0 (named caps, five counters): stats, flush and pending.
 //! - 0.3.0 (nine counters, no leases): stats, flush, pending, and the holders' function.
 
-use crate::api::FromCounter;
+use crate::api::{self, FromCounter};
 use crate::counters::CounterValues;
 use crate::directory::DEFAULT_CAP;
 use crate::errors::{raise, raise_flush, raise_internal};
@@ -227,39 +227,25 @@ fn stage_e_pending_v2(
 
 // -- 0.3.0: nine counters (no `expired`), holders without token and expiry ---------------------
 
+// Their rows are 0.4.0's (`api`), shown with 0.3.0's counters only.
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_stats_v3() -> (cap: String, max_slots: i32, held: i32) {
-        let max_slots = gucs::max_slots() as i32;
-        slots::stats()
-            .unwrap_or_else(|e| raise(e))
-            .into_iter()
-            .map(|s| ((s.cap, max_slots, s.held as i32), s.counts))
-            .collect()
+        api::stats_rows()
     }
 );
 
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_flush_v3() -> (cap: String) {
-        slots::ready().unwrap_or_else(|e| raise(e));
-        flush::flush(Write::Add, None, true)
-            .unwrap_or_else(|e| raise_flush(e))
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(cap, v)| ((cap,), v))
-            .collect()
+        api::flush_rows()
     }
 );
 
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_pending_v3(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
-        slots::attached().unwrap_or_else(|e| raise(e));
-        flush::pending(row_flush_id)
-            .into_iter()
-            .map(|(cap, v)| ((cap,), v))
-            .collect()
+        api::pending_rows(row_flush_id)
     }
 );
 

@@ -1706,15 +1706,15 @@ pub struct LeaseInfo {
     pub expires_at: i64,
 }
 
-/// What a lease operation found, for its caller to count and report.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What a lease operation found (the lease as it was), for its caller to count and report.
+#[derive(Clone, Copy, Debug)]
 pub enum LeaseCheck {
     /// The token is the slot's current lease, live at `now`.
-    Live,
+    Live(LeaseInfo),
     /// The token was the slot's lease, but it expired (it has now been freed as expired).
-    Expired,
-    /// The slot has no lease, or one with another token.
-    Other,
+    Expired(LeaseInfo),
+    /// The slot has no lease (None), or one with another token.
+    Other(Option<LeaseInfo>),
 }
 
 fn lease_marker(index: usize) -> i32 {
@@ -1855,35 +1855,34 @@ impl Cap {
     }
 
     /// Checks `token` against the lease of `slot` at `now`: a live one is extended to
-    /// `expires_at` (with Some) or ended (with None); an expired one is ended as expired.
-    /// Returns what was found, and the lease as it was.
+    /// `extend_to` (with Some) or ended (with None); an expired one is ended as expired.
     pub fn settle_lease(
         &self,
         slot: u32,
         token: u64,
         now: i64,
         extend_to: Option<i64>,
-    ) -> (LeaseCheck, Option<LeaseInfo>) {
+    ) -> LeaseCheck {
         self.with_lease(slot, |r| {
             let info = r.info();
             if info.token != token {
                 r.unlock();
-                return (LeaseCheck::Other, Some(info));
+                return LeaseCheck::Other(Some(info));
             }
             if info.expires_at <= now {
-                return (LeaseCheck::Expired, Some(self.end_lease(r)));
+                return LeaseCheck::Expired(self.end_lease(r));
             }
             match extend_to {
                 Some(t) => {
                     r.expires_at.store(t, Ordering::Relaxed);
                     self.entry.counters.lease_due.fetch_min(t, Ordering::SeqCst);
                     r.unlock();
-                    (LeaseCheck::Live, Some(info))
+                    LeaseCheck::Live(info)
                 }
-                None => (LeaseCheck::Live, Some(self.end_lease(r))),
+                None => LeaseCheck::Live(self.end_lease(r)),
             }
         })
-        .unwrap_or((LeaseCheck::Other, None))
+        .unwrap_or(LeaseCheck::Other(None))
     }
 
     /// The live lease of `slot`, if any (a copy; for reporting).
@@ -1947,9 +1946,12 @@ pub fn caps_with_leases_due(now: i64) -> Vec<CapRef> {
             entry: r.entry.load(Ordering::Relaxed),
             generation: r.generation.load(Ordering::Relaxed),
         };
+        if due.contains(&cap) {
+            continue; // one look per cap
+        }
         match pin(cap) {
             Some(c) => {
-                if c.lease_due(now) && !due.contains(&cap) {
+                if c.lease_due(now) {
                     due.push(cap);
                 }
             }

@@ -420,33 +420,29 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
     while let Some(claim) = occupancy::claim_first_free(bits, from, n) {
         let slot = claim.slot();
         match locks::try_lock(key, slot) {
-            Probe::Acquired if kind == Kind::Session => {
-                let token = cap.next_token();
-                cap.record(slot).set(session::pid(), at);
-                session::track(Held {
-                    cap: cap.cap,
-                    key,
-                    slot,
-                    token,
-                });
-                return Ok(Some(Got {
-                    slot: claim.keep(),
-                    token,
-                }));
-            }
-            // A lease is held by its token, not by this session: the lock only showed that no
-            // raw advisory lock holds the slot. The set bit keeps everyone else off it.
             Probe::Acquired => {
-                locks::unlock(key, slot);
-                let Kind::Lease { ttl_us } = kind else {
-                    unreachable!("session slots are handled above")
-                };
                 let token = cap.next_token();
-                let now = waiting::now();
-                if !cap.start_lease(slot, token, now, now.saturating_add(ttl_us)) {
-                    return Err(SlotError::NoLeaseRecord {
-                        max_leases: gucs::max_leases(),
-                    }); // dropping `claim` clears the bit
+                match kind {
+                    Kind::Session => {
+                        cap.record(slot).set(session::pid(), at);
+                        session::track(Held {
+                            cap: cap.cap,
+                            key,
+                            slot,
+                            token,
+                        });
+                    }
+                    // A lease is held by its token, not by this session: the lock only showed
+                    // that no raw advisory lock holds the slot. The set bit keeps others off it.
+                    Kind::Lease { ttl_us } => {
+                        locks::unlock(key, slot);
+                        let now = waiting::now();
+                        if !cap.start_lease(slot, token, now, now.saturating_add(ttl_us)) {
+                            return Err(SlotError::NoLeaseRecord {
+                                max_leases: gucs::max_leases(),
+                            }); // dropping `claim` clears the bit
+                        }
+                    }
                 }
                 return Ok(Some(Got {
                     slot: claim.keep(),
@@ -476,6 +472,11 @@ fn expire_due(cap: &Cap) -> usize {
     if !cap.lease_due(now) {
         return 0;
     }
+    expire_and_count(cap, now)
+}
+
+/// Frees the leases of `cap` expired by `now`, counting and logging each; returns how many.
+fn expire_and_count(cap: &Cap, now: i64) -> usize {
     let expired = cap.expire_leases(now);
     for lease in &expired {
         count_expired(cap, lease, now);
@@ -507,10 +508,7 @@ pub fn expire_leases_everywhere() -> usize {
     let mut freed = 0;
     for r in shmem::caps_with_leases_due(now) {
         if let Some(cap) = shmem::pin(r) {
-            for lease in cap.expire_leases(now) {
-                count_expired(&cap, &lease, now);
-                freed += 1;
-            }
+            freed += expire_and_count(&cap, now);
         }
     }
     freed
@@ -536,9 +534,8 @@ pub fn settle_lease(
     };
     let now = waiting::now();
     let extend_to = ttl_us.map(|t| now.saturating_add(t));
-    let (check, info) = cap.settle_lease(slot, token as u64, now, extend_to);
-    Ok(match (check, info) {
-        (shmem::LeaseCheck::Live, Some(info)) => {
+    Ok(match cap.settle_lease(slot, token as u64, now, extend_to) {
+        shmem::LeaseCheck::Live(info) => {
             if releasing {
                 cap.counters().bump(Counter::Released, 1);
                 cap.counters()
@@ -546,7 +543,7 @@ pub fn settle_lease(
             }
             LeaseOutcome::Done
         }
-        (shmem::LeaseCheck::Expired, Some(info)) => {
+        shmem::LeaseCheck::Expired(info) => {
             count_expired(&cap, &info, now);
             // Its holder is no longer one: a release now is foreign, as it is once a sweep
             // has freed the lease first (whichever comes first, the counts are the same).
@@ -557,7 +554,7 @@ pub fn settle_lease(
                 held_us: (now - info.acquired_at).max(0),
             }
         }
-        (_, current) => {
+        shmem::LeaseCheck::Other(current) => {
             if releasing {
                 cap.counters().bump(Counter::ForeignReleases, 1);
             }

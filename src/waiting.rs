@@ -32,9 +32,7 @@ impl Wait {
         if months == i32::MAX && days == i32::MAX && micros == i64::MAX {
             return Some(Wait::Forever);
         }
-        let us =
-            micros as i128 + days as i128 * 86_400_000_000 + months as i128 * 2_592_000_000_000;
-        match us {
+        match interval_micros(months, days, micros) {
             ..0 => None,
             0 => Some(Wait::No),
             us => Some(Wait::For(Duration::from_micros(
@@ -42,6 +40,12 @@ impl Wait {
             ))),
         }
     }
+}
+
+/// An interval's months, days and microseconds as microseconds (a month as 30 days, as
+/// PostgreSQL's interval arithmetic does), without overflow.
+pub fn interval_micros(months: i32, days: i32, micros: i64) -> i128 {
+    micros as i128 + days as i128 * 86_400_000_000 + months as i128 * 2_592_000_000_000
 }
 
 thread_local! {
