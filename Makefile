@@ -53,9 +53,10 @@ test-all:
 	$(MAKE) test PG=15 PG_CONFIG=$$(scripts/pg-config.sh 15)
 	$(MAKE) test PG=18 PG_CONFIG=$$(scripts/pg-config.sh 18)
 
-# Plain Rust, no server: the slot search (occupancy bitmap) and the counter arithmetic and file.
+# Plain Rust, no server (no PostgreSQL needed): crates/stage_e_core's algorithms and its
+# lock-free protocols, tested with threads.
 test-unit:
-	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo test $(CARGO_FEATURES) --lib unit::
+	cargo test -p stage_e_core
 
 # #[pg_test]s, one at a time: they share one server and its slots.
 test-pg:
@@ -92,7 +93,8 @@ test-package:
 	.venv/bin/python -m pytest packaging -v -p no:cacheprovider
 
 lint: deps
-	cargo fmt --check
+	cargo fmt --all --check
+	cargo clippy -p stage_e_core --all-targets -- -D warnings
 	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo clippy $(CARGO_FEATURES) --all-targets -- -D warnings
 
 clean:

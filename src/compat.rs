@@ -2,16 +2,27 @@
 //! earlier version keeps calling them by their C symbols until it runs `ALTER EXTENSION
 //! stage_e_slots UPDATE`, so they stay in the library, answering as that version did. They are
 //! not part of a fresh install (`sql = false`); functions whose shape did not change share their
-//! symbols with the current version (`api`).
+//! symbols with the current version (`api`). What each version's objects have (counters, named
+//! caps, lease columns) is `stage_e_core::version::SchemaVersion`; which symbol serves whom:
 //!
-//! - 0.1.0 (one anonymous cap): stats, holders, flush, pending and snapshot, for the cap
-//!   `default` only.
-//! - 0.2.0 (named caps, five counters): stats, flush and pending.
-//! - 0.3.0 (nine counters, no leases): stats, flush, pending, and the holders' function.
+//! | SQL function                     | C symbol (`…_wrapper`)               | versions     |
+//! |----------------------------------|--------------------------------------|--------------|
+//! | `stage_e_stats()`                | `stage_e_stats`                      | 0.1.0        |
+//! |                                  | `stage_e_stats_v2`                   | 0.2.0        |
+//! |                                  | `stage_e_stats_v3`                   | 0.3.0        |
+//! | `stage_e_slot_holders_internal()`| `stage_e_slot_holders_internal`      | 0.1.0        |
+//! |                                  | `stage_e_slot_holders_internal_v2`   | 0.2.0, 0.3.0 |
+//! | `stage_e_flush()`                | `stage_e_flush`                      | 0.1.0        |
+//! |                                  | `stage_e_flush_v2`                   | 0.2.0        |
+//! |                                  | `stage_e_flush_v3`                   | 0.3.0        |
+//! | `stage_e_pending(bigint)`        | `stage_e_pending`                    | 0.1.0        |
+//! |                                  | `stage_e_pending_v2`                 | 0.2.0        |
+//! |                                  | `stage_e_pending_v3`                 | 0.3.0        |
+//! | `stage_e_snapshot()`             | `stage_e_snapshot`                   | 0.1.0        |
+//!
+//! The 0.1.0 functions answer for the cap `default` only (0.1.0 had one anonymous cap).
 
-use crate::api::{self, FromCounter};
-use crate::counters::CounterValues;
-use crate::directory::DEFAULT_CAP;
+use crate::api;
 use crate::errors::{raise, raise_flush, raise_internal};
 use crate::flush::{self, Write};
 use crate::gucs;
@@ -19,13 +30,9 @@ use crate::slots;
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
 use serde_json::json;
-
-type Row5 = (i64, i64, i64, i64, i64);
-
-fn five(v: CounterValues) -> Row5 {
-    let a = v.to_array().map(|x| x as i64);
-    (a[0], a[1], a[2], a[3], a[4])
-}
+use stage_e_core::counters::CounterValues;
+use stage_e_core::directory::DEFAULT_CAP;
+use stage_e_core::{for_each_counter_0_2_0, for_each_counter_0_3_0};
 
 fn default_of(rows: Vec<(String, CounterValues)>) -> CounterValues {
     rows.into_iter()
@@ -34,29 +41,25 @@ fn default_of(rows: Vec<(String, CounterValues)>) -> CounterValues {
         .unwrap_or_default()
 }
 
-#[pg_extern(sql = false)]
-fn stage_e_stats() -> TableIterator<
-    'static,
-    (
-        name!(max_slots, i32),
-        name!(held, i32),
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    let stats = slots::stats().unwrap_or_else(|e| raise(e));
-    let s = stats.iter().find(|s| s.cap == DEFAULT_CAP);
-    let held = slots::holders()
-        .unwrap_or_else(|e| raise(e))
-        .iter()
-        .filter(|h| h.cap == DEFAULT_CAP)
-        .count() as i32;
-    let (a, t, r, f, x) = five(s.map(|s| s.counts).unwrap_or_default());
-    TableIterator::once((gucs::max_slots() as i32, held, a, t, r, f, x))
-}
+// -- 0.1.0: one anonymous cap, five counters ---------------------------------------------------
+
+for_each_counter_0_2_0!(counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_stats() -> (max_slots: i32, held: i32) {
+        let stats = slots::stats().unwrap_or_else(|e| raise(e));
+        let counts = stats
+            .iter()
+            .find(|s| s.cap == DEFAULT_CAP)
+            .map(|s| s.counts)
+            .unwrap_or_default();
+        let held = slots::holders()
+            .unwrap_or_else(|e| raise(e))
+            .iter()
+            .filter(|h| h.cap == DEFAULT_CAP)
+            .count() as i32;
+        vec![((gucs::max_slots() as i32, held), counts)]
+    }
+);
 
 #[pg_extern(sql = false)]
 fn stage_e_slot_holders_internal() -> TableIterator<
@@ -76,40 +79,26 @@ fn stage_e_slot_holders_internal() -> TableIterator<
     }))
 }
 
-#[pg_extern(sql = false)]
-fn stage_e_flush() -> TableIterator<
-    'static,
-    (
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    slots::ready().unwrap_or_else(|e| raise(e));
-    let added = flush::flush(Write::Add, Some(DEFAULT_CAP), true)
-        .unwrap_or_else(|e| raise_flush(e))
-        .unwrap_or_default();
-    TableIterator::once(five(default_of(added)))
-}
+for_each_counter_0_2_0!(
+    counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_flush() -> () {
+        slots::ready().unwrap_or_else(|e| raise(e));
+        let added = flush::flush(Write::Add, Some(DEFAULT_CAP), true)
+            .unwrap_or_else(|e| raise_flush(e))
+            .unwrap_or_default();
+        vec![((), default_of(added))]
+    }
+);
 
-#[pg_extern(sql = false)]
-fn stage_e_pending(
-    row_flush_id: default!(Option<i64>, "NULL"),
-) -> TableIterator<
-    'static,
-    (
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    slots::attached().unwrap_or_else(|e| raise(e));
-    TableIterator::once(five(default_of(flush::pending(row_flush_id))))
-}
+for_each_counter_0_2_0!(
+    counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_pending(row_flush_id: default!(Option<i64>, "NULL")) -> () {
+        slots::attached().unwrap_or_else(|e| raise(e));
+        vec![((), default_of(flush::pending(row_flush_id)))]
+    }
+);
 
 /// 0.1.0's document: the `default` cap's counts at the top level.
 #[pg_extern(sql = false)]
@@ -150,84 +139,30 @@ fn stage_e_snapshot() -> pgrx::JsonB {
 
 // -- 0.2.0: named caps, five counters ---------------------------------------------------------
 
-type Row8 = (String, i32, i32, i64, i64, i64, i64, i64);
+for_each_counter_0_2_0!(counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_stats_v2() -> (cap: String, max_slots: i32, held: i32) {
+        api::stats_rows()
+    }
+);
 
-#[pg_extern(sql = false)]
-#[allow(clippy::type_complexity)]
-fn stage_e_stats_v2() -> TableIterator<
-    'static,
-    (
-        name!(cap, String),
-        name!(max_slots, i32),
-        name!(held, i32),
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    let max_slots = gucs::max_slots() as i32;
-    let rows: Vec<Row8> = slots::stats()
-        .unwrap_or_else(|e| raise(e))
-        .into_iter()
-        .map(|s| {
-            let (a, t, r, f, x) = five(s.counts);
-            (s.cap, max_slots, s.held as i32, a, t, r, f, x)
-        })
-        .collect();
-    TableIterator::new(rows)
-}
+for_each_counter_0_2_0!(counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_flush_v2() -> (cap: String) {
+        api::flush_rows()
+    }
+);
 
-fn per_cap(rows: Vec<(String, CounterValues)>) -> Vec<(String, i64, i64, i64, i64, i64)> {
-    rows.into_iter()
-        .map(|(cap, v)| {
-            let (a, t, r, f, x) = five(v);
-            (cap, a, t, r, f, x)
-        })
-        .collect()
-}
-
-#[pg_extern(sql = false)]
-fn stage_e_flush_v2() -> TableIterator<
-    'static,
-    (
-        name!(cap, String),
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    slots::ready().unwrap_or_else(|e| raise(e));
-    let added = flush::flush(Write::Add, None, true)
-        .unwrap_or_else(|e| raise_flush(e))
-        .unwrap_or_default();
-    TableIterator::new(per_cap(added))
-}
-
-#[pg_extern(sql = false)]
-fn stage_e_pending_v2(
-    row_flush_id: default!(Option<i64>, "NULL"),
-) -> TableIterator<
-    'static,
-    (
-        name!(cap, String),
-        name!(acquired, i64),
-        name!(throttled, i64),
-        name!(released, i64),
-        name!(foreign_releases, i64),
-        name!(released_by_exit, i64),
-    ),
-> {
-    slots::attached().unwrap_or_else(|e| raise(e));
-    TableIterator::new(per_cap(flush::pending(row_flush_id)))
-}
+for_each_counter_0_2_0!(counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_pending_v2(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
+        api::pending_rows(row_flush_id)
+    }
+);
 
 // -- 0.3.0: nine counters (no `expired`), holders without token and expiry ---------------------
 
-// Their rows are 0.4.0's (`api`), shown with 0.3.0's counters only.
+// Their rows are today's (`api`), shown with 0.3.0's counters only.
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_stats_v3() -> (cap: String, max_slots: i32, held: i32) {

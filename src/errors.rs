@@ -2,13 +2,13 @@
 //! (detail) and how to fix it (hint), with a SQLSTATE a program can act on: class 22 for bad
 //! input, 53 for a full configuration limit, 55 for a missing prerequisite.
 
-use crate::directory::{NameError, MAX_NAME};
 use crate::flush::FlushError;
 use crate::gucs;
 use crate::shmem::CapError;
 use crate::slots::SlotError;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
+use stage_e_core::directory::{NameError, DEFAULT_CAP, MAX_NAME};
 
 const HINT_PRELOAD: &str = "Add stage_e_slots to shared_preload_libraries in postgresql.conf \
      (shared_preload_libraries = 'stage_e_slots') and restart the server.";
@@ -238,7 +238,7 @@ pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>) {
         }
         None => format!("No session holds slot {slot} of cap \"{cap}\"."),
     };
-    let message = if cap == crate::directory::DEFAULT_CAP {
+    let message = if cap == DEFAULT_CAP {
         format!("slot {slot} was not held by this connection")
     } else {
         format!("slot {slot} of cap \"{cap}\" was not held by this connection")

@@ -5,7 +5,7 @@
 //!
 //! Exactly once: a flush takes each cap's flusher role, reads its bookkeeping, writes the
 //! deltas in its transaction and marks each cap's in-flight delta with the flush id it also
-//! writes into the rows. Only when that transaction commits does a cap advance (`session`'s
+//! writes into the rows. Only when that transaction commits does a cap advance (`hooks`'
 //! transaction-end hook); if it aborts, the deltas simply stay pending.
 //!
 //! Savepoints: a flush made in a subtransaction is settled when that subtransaction aborts
@@ -15,13 +15,12 @@
 //! A database still at version 0.1.0 (its library updated, `ALTER EXTENSION UPDATE` not yet
 //! run) has the old one-row table: its `default` cap is written there, as 0.1.0 did.
 
-use crate::counters::CounterValues;
-use crate::directory::DEFAULT_CAP;
 use crate::session;
-use crate::shmem::{self, Cap};
-
+use crate::shmem::{self, Cap, Flushed};
 use crate::slots::SlotError;
 use crate::sql::{self, Extension};
+use stage_e_core::counters::CounterValues;
+use stage_e_core::directory::DEFAULT_CAP;
 
 #[derive(Debug)]
 pub enum FlushError {
@@ -64,13 +63,17 @@ pub fn flush(
     }
     let me = session::pid();
     let mut taken = Vec::new();
-    for r in shmem::cap_refs(session::database().to_u32()) {
+    for r in shmem::cap_refs(session::database()) {
         // Pinned only while taking the role (a flush must not keep creators from reclaiming
         // other caps); the role then keeps the cap from being reclaimed.
         let Some((role, name)) = shmem::pin(r).and_then(|cap| {
             let name = cap.name();
-            let skip = only.is_some_and(|o| o != name) || (ext.at_0_1_0() && name != DEFAULT_CAP);
-            (!skip && become_flusher(&cap, me, wait)).then(|| (cap.flushed(), name))
+            let skip = only.is_some_and(|o| o != name)
+                || (!ext.version.has_named_caps() && name != DEFAULT_CAP);
+            if skip {
+                return None;
+            }
+            become_flusher(&cap, me, wait).map(|role| (role, name))
         }) else {
             continue;
         };
@@ -87,6 +90,7 @@ pub fn flush(
         role.set_inflight(id, *delta);
     }
     // From here on the transaction's end settles the flush, whichever way it ends.
+    crate::hooks::ensure();
     let written: Vec<(String, CounterValues)> = taken
         .iter()
         .map(|(_, name, _, delta)| (name.clone(), *delta))
@@ -105,67 +109,39 @@ pub fn flush(
     Ok(Some(written))
 }
 
-fn become_flusher(cap: &Cap, me: i32, wait: bool) -> bool {
+/// The cap's flusher role, waiting for another process's flush to end with `wait`.
+fn become_flusher(cap: &Cap, me: i32, wait: bool) -> Option<Flushed> {
     loop {
-        if cap.try_begin_flush(me) {
-            return true;
+        if let Some(role) = cap.begin_flush(me) {
+            return Some(role);
         }
         if !wait {
-            return false;
+            return None;
         }
         session::nap_ms(10);
     }
 }
 
-/// One statement adding every cap's delta to its row (inserted on a cap's first flush). Only
-/// the counter columns the database's table has are written (see `Extension::counter_columns`).
+/// One statement adding every cap's delta to its row (`sql::counter_add_query`). Only the
+/// counter columns the database's table has are written (`SchemaVersion::counter_columns`).
 fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(), FlushError> {
-    let n = ext.counter_columns();
-    let names = &CounterValues::NAMES[..n];
-    let cols = names.join(", ");
-    let set: Vec<String> = names
-        .iter()
-        .map(|c| format!("{c} = t.{c} OPERATOR(pg_catalog.+) excluded.{c}"))
-        .collect();
-    let schema = &ext.schema;
+    let n = ext.version.counter_columns();
+    let query = sql::counter_add_query(ext);
     let id = id as i64;
-    let value = |i: usize, v: u64| -> pgrx::datum::DatumWithOid<'static> {
-        if CounterValues::is_time(i) {
-            sql::interval_us(v).into()
-        } else {
-            (v as i64).into()
-        }
-    };
-    let result = if ext.at_0_1_0() {
-        let params: Vec<String> = (1..=n).map(|i| format!("${i}")).collect();
-        let query = format!(
-            "INSERT INTO {schema}.stage_e_throttle_counter AS t (id, {cols}, flushed_at, flush_id) \
-             VALUES (true, {}, pg_catalog.now(), ${}) \
-             ON CONFLICT (id) DO UPDATE SET {}, flushed_at = excluded.flushed_at, \
-               flush_id = excluded.flush_id",
-            params.join(", "),
-            n + 1,
-            set.join(", ")
-        );
+    let args: Vec<pgrx::datum::DatumWithOid> = if !ext.version.has_named_caps() {
         let v = deltas[0].1.to_array();
-        let mut args: Vec<pgrx::datum::DatumWithOid> = (0..n).map(|i| value(i, v[i])).collect();
-        args.push(id.into());
-        sql::write(&query, &args)
-    } else {
-        // ROWS FROM with one unnest per array: the multi-argument unnest shorthand only
-        // exists unqualified.
-        let arrays: Vec<String> = (1..=n + 1)
-            .map(|i| format!("pg_catalog.unnest(${i})"))
+        let mut args: Vec<pgrx::datum::DatumWithOid> = (0..n)
+            .map(|i| {
+                if CounterValues::is_time(i) {
+                    sql::interval_us(v[i]).into()
+                } else {
+                    (v[i] as i64).into()
+                }
+            })
             .collect();
-        let query = format!(
-            "INSERT INTO {schema}.stage_e_throttle_counter AS t (cap, {cols}, flushed_at, flush_id) \
-             SELECT u.*, pg_catalog.now(), ${} FROM ROWS FROM ({}) AS u (cap, {cols}) \
-             ON CONFLICT (cap) DO UPDATE SET {}, flushed_at = excluded.flushed_at, \
-               flush_id = excluded.flush_id",
-            n + 2,
-            arrays.join(", "),
-            set.join(", ")
-        );
+        args.push(id.into());
+        args
+    } else {
         let caps: Vec<String> = deltas.iter().map(|(c, _)| c.clone()).collect();
         let mut args: Vec<pgrx::datum::DatumWithOid> = vec![caps.into()];
         for i in 0..n {
@@ -181,51 +157,20 @@ fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(
             }
         }
         args.push(id.into());
-        sql::write(&query, &args)
+        args
     };
-    result.map_err(FlushError::Spi)
+    sql::write(&query, &args).map_err(FlushError::Spi)
 }
 
-/// Zeroes the rows (all, or `only`'s).
+/// Zeroes the rows (all, or `only`'s; a database at 0.1.0 has one).
 fn reset(ext: &Extension, only: Option<&str>, id: u64) -> Result<(), FlushError> {
-    let schema = &ext.schema;
-    let zero: Vec<String> = CounterValues::NAMES[..ext.counter_columns()]
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            if CounterValues::is_time(i) {
-                format!("{c} = '0'::pg_catalog.interval")
-            } else {
-                format!("{c} = 0")
-            }
-        })
-        .collect();
     let id = id as i64;
     let result = match only {
-        _ if ext.at_0_1_0() => sql::write(
-            &format!(
-                "UPDATE {schema}.stage_e_throttle_counter SET {}, flushed_at = pg_catalog.now(), \
-                 flush_id = $1",
-                zero.join(", ")
-            ),
-            &[id.into()],
-        ),
-        None => sql::write(
-            &format!(
-                "UPDATE {schema}.stage_e_throttle_counter SET {}, flushed_at = pg_catalog.now(), \
-                 flush_id = $1",
-                zero.join(", ")
-            ),
-            &[id.into()],
-        ),
-        Some(cap) => sql::write(
-            &format!(
-                "UPDATE {schema}.stage_e_throttle_counter SET {}, flushed_at = pg_catalog.now(), \
-                 flush_id = $1 WHERE cap OPERATOR(pg_catalog.=) $2",
-                zero.join(", ")
-            ),
+        Some(cap) if ext.version.has_named_caps() => sql::write(
+            &sql::counter_reset_query(ext, true),
             &[id.into(), cap.into()],
         ),
+        _ => sql::write(&sql::counter_reset_query(ext, false), &[id.into()]),
     };
     result.map_err(FlushError::Spi)
 }
@@ -234,7 +179,7 @@ fn reset(ext: &Extension, only: Option<&str>, id: u64) -> Result<(), FlushError>
 /// flush id `row_flush_id` (the totals view passes it: a flush that reader already sees is
 /// not counted twice). One entry per cap in use, zeros included.
 pub fn pending(row_flush_id: Option<i64>) -> Vec<(String, CounterValues)> {
-    let mut out: Vec<(String, CounterValues)> = shmem::caps(Some(session::database().to_u32()))
+    let mut out: Vec<(String, CounterValues)> = shmem::caps(Some(session::database()))
         .into_iter()
         .map(|cap| {
             let p = cap.flush_state().pending(row_flush_id.map(|id| id as u64));
@@ -250,10 +195,8 @@ pub fn pending(row_flush_id: Option<i64>) -> Vec<(String, CounterValues)> {
 pub fn discard_pending() -> usize {
     let me = session::pid();
     let mut dropped = 0;
-    for r in shmem::cap_refs(session::database().to_u32()) {
-        let Some(role) =
-            shmem::pin(r).and_then(|cap| cap.try_begin_flush(me).then(|| cap.flushed()))
-        else {
+    for r in shmem::cap_refs(session::database()) {
+        let Some(role) = shmem::pin(r).and_then(|cap| cap.begin_flush(me)) else {
             continue;
         };
         let read = role.flush_state();

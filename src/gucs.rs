@@ -50,7 +50,7 @@ pub fn init() {
         c"stage_e_slots.max_caps",
         c"How many caps (named or default, of all databases) can be in use at once.",
         c"A cap with held slots or counts not yet flushed is in use; an idle one is reclaimed \
-          when room is needed. Each takes about 300 bytes of shared memory.",
+          when room is needed. Each takes a 704-byte entry and a slot block of shared memory.",
         &MAX_CAPS,
         16,
         MAX_MAX_CAPS,
@@ -92,12 +92,22 @@ pub fn init() {
     );
 }
 
+/// A postmaster-context setting, read without `GucSetting::get`'s thread check (a thread-local
+/// lookup, twice per acquire+release pair): the value is fixed before any backend starts, and
+/// only this process's one thread reads it.
+fn fixed(setting: &'static GucSetting<i32>) -> i32 {
+    // SAFETY: `as_ptr` is the variable the GUC machinery assigned in the postmaster at start;
+    // nothing writes it afterwards (GucContext::Postmaster), so a plain read is a read of a
+    // constant.
+    unsafe { *setting.as_ptr() }
+}
+
 pub fn max_slots() -> u32 {
-    MAX_SLOTS.get() as u32
+    fixed(&MAX_SLOTS) as u32
 }
 
 pub fn lock_key() -> i32 {
-    LOCK_KEY.get()
+    fixed(&LOCK_KEY)
 }
 
 pub fn max_caps() -> u32 {

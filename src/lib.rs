@@ -2,42 +2,43 @@
 //!
 //! `stage_e_try_slot(cap, n)` hands this session one of n slots of a named cap, each a
 //! session-level advisory lock, or NULL when all are taken; `stage_e_release(cap, slot)` gives it
-//! back and proves the caller held it. Module map:
-//! - plain Rust, unit-tested: `occupancy` (slot search), `arena` (slot memory), `directory`
-//!   (cap names and keys), `counters` (counter arithmetic, the shutdown file);
-//! - Postgres internals: `shmem` (shared state), `locks` (lock manager), `session` (this backend
-//!   and its exit/transaction hooks), `worker` (the flush launcher and flushers);
-//! - the logic: `slots` (caps), `flush` (durable counts), `sql` (every statement we run);
-//! - the SQL surface: `api`, `compat` (earlier versions' symbols), `errors` (how failures are reported).
+//! back and proves the caller held it. Modules, each depending only on those below it:
+//!
+//! - the SQL surface: `api` (by surface: slots, leases, stats, snapshot), `compat` (earlier
+//!   versions' symbols), `errors` (how failures are reported);
+//! - the logic: `slots` (acquire, release, leases; `slots::waiting`, the wait policy;
+//!   `slots::held`, what happens to slots whose lock went away), `flush` (durable counts),
+//!   `worker` (the launcher and flushers), `hooks` (exit and transaction-end callbacks);
+//! - this backend and Postgres: `session` (this backend's state, a leaf), `locks` (the lock
+//!   manager), `shmem` (shared state, one file per concern), `sql` (every statement we run),
+//!   `gucs` (settings), `ffi` (calls made without pgrx's guard);
+//! - no server at all: the `stage_e_core` crate (slot bitmap, arena, directory, counters, the
+//!   segment layout and the lock-free protocols of shared memory, tested with threads).
 
 #[macro_use]
-mod counters;
-#[macro_use]
 mod api;
-mod arena;
 mod compat;
-mod directory;
 mod errors;
+mod ffi;
 mod flush;
 mod gucs;
+mod hooks;
 mod locks;
-mod occupancy;
 mod session;
 mod shmem;
 mod slots;
 mod sql;
-mod waiting;
 mod worker;
 
 use pgrx::prelude::*;
 
 ::pgrx::pg_module_magic!();
 
+/// Loaded by `shared_preload_libraries`: settings, shared memory, the background launcher.
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     keep_backtraces_out_of_client_messages();
-    // SAFETY: a flag the postmaster sets while loading shared_preload_libraries.
-    if unsafe { !pg_sys::process_shared_preload_libraries_in_progress } {
+    if !preloading() {
         // Loaded by CREATE EXTENSION or a function call instead: there is no shared memory to
         // attach, so every function raises an ERROR with a HINT (fail closed), as
         // pg_stat_statements does.
@@ -47,11 +48,19 @@ pub extern "C-unwind" fn _PG_init() {
     gucs::reserve_prefix();
     shmem::init();
     // pg_upgrade starts both servers in binary-upgrade mode: no database work then (pg_cron).
-    // SAFETY: a flag set from the command line before shared_preload_libraries is loaded.
-    let binary_upgrade = unsafe { pg_sys::IsBinaryUpgrade };
-    if !binary_upgrade {
+    if !binary_upgrade() {
         worker::register();
     }
+}
+
+fn preloading() -> bool {
+    // SAFETY: a flag the postmaster sets while loading shared_preload_libraries.
+    unsafe { pg_sys::process_shared_preload_libraries_in_progress }
+}
+
+fn binary_upgrade() -> bool {
+    // SAFETY: a flag set from the command line before shared_preload_libraries is loaded.
+    unsafe { pg_sys::IsBinaryUpgrade }
 }
 
 /// pgrx puts a captured Rust backtrace into the DETAIL of any ERROR that crosses its FFI guard,

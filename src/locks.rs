@@ -53,45 +53,18 @@ pub fn try_lock(key: i32, slot: u32) -> Probe {
 /// so callers check [`held_by_me`] first.
 pub fn unlock(key: i32, slot: u32) -> bool {
     let tag = slot_tag(key, slot);
-    // SAFETY: releasing a session lock touches only this backend's lock entries.
-    unsafe { pg_sys::LockRelease(&tag, MODE, true) }
+    // SAFETY: a valid advisory tag and mode; releasing a session lock touches only this
+    // backend's lock entries and the lock's partition (`ffi::lock_release` says why no guard).
+    unsafe { crate::ffi::lock_release(&tag, MODE, true) }
 }
 
-/// Whether this session holds the slot's lock: a lookup in the backend-local lock table.
+/// Whether this session holds the slot's lock: a lookup in the backend-local lock table,
+/// without pgrx's setjmp guard (`ffi`): it runs at every transaction end of a slot-holding
+/// backend.
 pub fn held_by_me(key: i32, slot: u32) -> bool {
     let tag = slot_tag(key, slot);
-    // SAFETY: LockHeldByMe only probes the backend-local lock hash (HASH_FIND, which cannot
-    // raise an ERROR), so it is called without pgrx's setjmp guard: it runs at every
-    // transaction end of a slot-holding backend.
-    unsafe { unguarded::LockHeldByMe(&tag, MODE, false) }
-}
-
-mod unguarded {
-    use pgrx::pg_sys::{LOCKMODE, LOCKTAG};
-
-    #[cfg(feature = "pg15")]
-    #[allow(non_snake_case)]
-    pub unsafe fn LockHeldByMe(tag: *const LOCKTAG, mode: LOCKMODE, _or_stronger: bool) -> bool {
-        unsafe extern "C" {
-            #[link_name = "LockHeldByMe"]
-            fn lock_held_by_me(locktag: *const LOCKTAG, lockmode: LOCKMODE) -> bool;
-        }
-        unsafe { lock_held_by_me(tag, mode) }
-    }
-
-    #[cfg(feature = "pg18")]
-    #[allow(non_snake_case)]
-    pub unsafe fn LockHeldByMe(tag: *const LOCKTAG, mode: LOCKMODE, or_stronger: bool) -> bool {
-        unsafe extern "C" {
-            #[link_name = "LockHeldByMe"]
-            fn lock_held_by_me(
-                locktag: *const LOCKTAG,
-                lockmode: LOCKMODE,
-                orstronger: bool,
-            ) -> bool;
-        }
-        unsafe { lock_held_by_me(tag, mode, or_stronger) }
-    }
+    // SAFETY: `tag` is a valid LOCKTAG on the stack.
+    unsafe { crate::ffi::lock_held_by_me(&tag, MODE) }
 }
 
 /// A granted int4-pair advisory lock of the current database: `(key, slot, pid)`.

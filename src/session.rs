@@ -1,20 +1,15 @@
-//! This backend: who it is, which slots it took through the extension, and the two hooks that
-//! keep shared memory honest when its locks go away without `stage_e_release`:
+//! This backend: who it is, which slots it took through the extension, which caps it knows by
+//! name, where it waits, and the counter flush its transaction is making.
 //!
-//! - at transaction end, slots whose lock was dropped behind the extension's back
-//!   (`DISCARD ALL`, `pg_advisory_unlock_all()`, `pg_advisory_unlock(key, slot)`; all of which
-//!   can only be run by the holder itself) are cleared from shared memory;
-//! - at backend exit, held slots are released at once and reported.
-//!
-//! The transaction-end hook also settles a counter flush (see `flush`): the pool advances only
-//! if the transaction that wrote the row committed.
-//!
-//! Both are registered lazily on first use: `_PG_init` runs in the postmaster, whose exit
-//! callbacks children discard, and a backend that never takes a slot pays nothing.
+//! A leaf: it keeps state and answers questions about this process, and calls nothing above it
+//! (the hooks that act on this state at transaction end and exit are in `hooks`, what they do to
+//! held slots in `slots::held`). All state is in [`BackendLocal`] statics: a backend is one thread.
 
-use crate::counters::FlushState;
-use crate::shmem::{self, CapRef, Flushed, Ticket};
+use crate::ffi;
+use crate::shmem::{CapRef, Flushed, Ticket};
 use pgrx::pg_sys;
+use stage_e_core::counters::FlushState;
+use stage_e_core::directory::{NameHash, DEFAULT_CAP};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -35,37 +30,88 @@ impl Held {
     }
 }
 
-/// The flush this transaction is making: per cap, the handle that settles it and what it read;
+/// The flush this transaction is making: per cap, the role that settles it and what it read;
 /// and the subtransaction that owns it.
 struct Flush {
     caps: Vec<(Flushed, FlushState)>,
     subxact: pg_sys::SubTransactionId,
 }
 
-thread_local! {
-    /// Slots this backend acquired through the extension and has not released.
-    static TRACKED: RefCell<Vec<Held>> = const { RefCell::new(Vec::new()) };
-    /// Caps this backend has used, by name (a backend's database never changes); the entry's
-    /// generation tells a stale reference. `default` has a cell of its own (no hashing).
-    static CAPS: RefCell<Option<HashMap<String, CapRef>>> = const { RefCell::new(None) };
-    static DEFAULT: Cell<Option<CapRef>> = const { Cell::new(None) };
-    /// The queue this backend waits in, if it is waiting (for the exit hook).
-    static WAITING: Cell<Option<(CapRef, Ticket)>> = const { Cell::new(None) };
-    static HOOKS_REGISTERED: Cell<bool> = const { Cell::new(false) };
-    static RECOVERY_DONE: Cell<bool> = const { Cell::new(false) };
-    /// The flush this transaction is making: the pool, what it read, and the subtransaction
-    /// that owns it (settled when that subtransaction aborts, or by the transaction's end).
-    static FLUSH: RefCell<Option<Flush>> = const { RefCell::new(None) };
+/// A static of this backend's. A backend is one thread (pgrx refuses a call into PostgreSQL from
+/// any other), and `thread_local!` in a dynamically loaded library costs a `__tls_get_addr` call
+/// per access, several per acquire+release pair: so this backend's state is in process statics.
+pub struct BackendLocal<T>(T);
+
+// SAFETY: only the backend's own thread runs this crate's SQL functions, hooks and workers
+// (pgrx checks it on every call into PostgreSQL), so nothing here is touched by another thread.
+unsafe impl<T> Sync for BackendLocal<T> {}
+
+impl<T> BackendLocal<T> {
+    pub const fn new(value: T) -> Self {
+        BackendLocal(value)
+    }
 }
+
+impl<T> BackendLocal<RefCell<T>> {
+    pub fn with_borrow<R>(&self, f: impl FnOnce(&T) -> R) -> R {
+        f(&self.0.borrow())
+    }
+
+    pub fn with_borrow_mut<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        f(&mut self.0.borrow_mut())
+    }
+
+    pub fn set(&self, value: T) {
+        self.0.replace(value);
+    }
+
+    pub fn take(&self) -> T
+    where
+        T: Default,
+    {
+        self.0.take()
+    }
+}
+
+impl<T: Copy> BackendLocal<Cell<T>> {
+    pub fn get(&self) -> T {
+        self.0.get()
+    }
+
+    pub fn set(&self, value: T) {
+        self.0.set(value)
+    }
+
+    pub fn take(&self) -> T
+    where
+        T: Default,
+    {
+        self.0.take()
+    }
+}
+
+/// Slots this backend acquired through the extension and has not released.
+static TRACKED: BackendLocal<RefCell<Vec<Held>>> = BackendLocal::new(RefCell::new(Vec::new()));
+/// Caps this backend has used, by name (a backend's database never changes); the entry's
+/// generation tells a stale reference. `default` has a cell of its own (no hashing).
+static CAPS: BackendLocal<RefCell<Option<HashMap<String, CapRef, NameHash>>>> =
+    BackendLocal::new(RefCell::new(None));
+static DEFAULT: BackendLocal<Cell<Option<CapRef>>> = BackendLocal::new(Cell::new(None));
+/// The queue this backend waits in, if it is waiting (for the exit hook).
+static WAITING: BackendLocal<Cell<Option<(CapRef, Ticket)>>> = BackendLocal::new(Cell::new(None));
+static RECOVERY_DONE: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
+static FLUSH: BackendLocal<RefCell<Option<Flush>>> = BackendLocal::new(RefCell::new(None));
+
+// -- who this backend is ---------------------------------------------------------------------
 
 pub fn pid() -> i32 {
     // SAFETY: set once at process start.
     unsafe { pg_sys::MyProcPid }
 }
 
-pub fn database() -> pg_sys::Oid {
+pub fn database() -> u32 {
     // SAFETY: set once at backend start-up, before any SQL runs.
-    unsafe { pg_sys::MyDatabaseId }
+    unsafe { pg_sys::MyDatabaseId }.to_u32()
 }
 
 /// Whether database `db` exists (a syscache probe; call inside a transaction).
@@ -84,22 +130,19 @@ pub fn database_exists(db: u32) -> bool {
 
 /// Whether this process is a parallel worker or a leader running a parallel query.
 pub fn in_parallel_mode() -> bool {
-    unsafe extern "C" {
-        fn IsInParallelMode() -> bool;
-    }
-    // SAFETY: returns a field of the current transaction state and cannot raise an ERROR, so
-    // it is called without pgrx's setjmp guard (it runs twice per acquire+release pair).
-    unsafe { IsInParallelMode() }
+    ffi::is_in_parallel_mode()
 }
 
 /// Start of the current statement as a TimestampTz: when a slot was acquired, to the
 /// statement (as pg_stat_activity.query_start), without a clock read on the acquire path.
 pub fn statement_start() -> i64 {
-    unsafe extern "C" {
-        fn GetCurrentStatementStartTimestamp() -> pg_sys::TimestampTz;
-    }
-    // SAFETY: returns a backend-local static; cannot raise an ERROR, so no setjmp guard.
-    unsafe { GetCurrentStatementStartTimestamp() }
+    ffi::statement_start_timestamp()
+}
+
+/// Now, as a TimestampTz (microseconds since 2000-01-01).
+pub fn now() -> i64 {
+    // SAFETY: reads the clock.
+    unsafe { pg_sys::GetCurrentTimestamp() }
 }
 
 /// Whether this server is a standby. Once recovery has ended it never resumes in this
@@ -126,9 +169,19 @@ pub fn application_name() -> String {
     }
 }
 
+/// Sleeps `ms` milliseconds, answering a cancel or terminate request.
+pub fn nap_ms(ms: i64) {
+    // SAFETY: plain sleep; CHECK_FOR_INTERRUPTS may raise an ERROR, which pgrx's guard turns
+    // into a Rust panic that unwinds to the SQL function's boundary.
+    unsafe { pg_sys::pg_usleep(ms * 1000) };
+    pgrx::check_for_interrupts!();
+}
+
+// -- caps it knows by name -------------------------------------------------------------------
+
 /// The cap this backend last knew as `name`, if any.
 pub fn cached_cap(name: &str) -> Option<CapRef> {
-    if name == crate::directory::DEFAULT_CAP {
+    if name == DEFAULT_CAP {
         return DEFAULT.get();
     }
     CAPS.with_borrow(|m| m.as_ref().and_then(|m| m.get(name).copied()))
@@ -136,11 +189,11 @@ pub fn cached_cap(name: &str) -> Option<CapRef> {
 
 /// Remembers (or, with None, forgets) the cap named `name`.
 pub fn cache_cap(name: &str, cap: Option<CapRef>) {
-    if name == crate::directory::DEFAULT_CAP {
+    if name == DEFAULT_CAP {
         return DEFAULT.set(cap);
     }
     CAPS.with_borrow_mut(|m| {
-        let m = m.get_or_insert_with(HashMap::new);
+        let m = m.get_or_insert_with(HashMap::default);
         match cap {
             Some(c) => {
                 // A backend cycling through many one-off names must not grow without bound.
@@ -156,27 +209,19 @@ pub fn cache_cap(name: &str, cap: Option<CapRef>) {
     });
 }
 
-/// This backend's place in a cap's queue while it waits: leaving the scope (a return, or an
-/// ERROR unwinding) leaves the queue; a process exit leaves it through the exit hook.
-pub struct Queued {
-    place: (CapRef, Ticket),
+// -- where it waits --------------------------------------------------------------------------
+
+/// This backend waits in `place` (Some) or no longer waits (None).
+pub fn set_waiting(place: Option<(CapRef, Ticket)>) {
+    WAITING.set(place);
 }
 
-impl Queued {
-    pub fn new(cap: CapRef, ticket: Ticket) -> Self {
-        WAITING.set(Some((cap, ticket)));
-        Queued {
-            place: (cap, ticket),
-        }
-    }
+/// Where this backend waits, if it does; it then no longer does (for the exit hook).
+pub fn take_waiting() -> Option<(CapRef, Ticket)> {
+    WAITING.take()
 }
 
-impl Drop for Queued {
-    fn drop(&mut self) {
-        WAITING.set(None);
-        shmem::dequeue(self.place.0, self.place.1);
-    }
-}
+// -- the slots it holds ----------------------------------------------------------------------
 
 pub fn track(held: Held) {
     TRACKED.with_borrow_mut(|t| t.push(held));
@@ -220,48 +265,23 @@ pub fn tracks_any() -> bool {
     TRACKED.with_borrow(|t| !t.is_empty())
 }
 
-/// Registers the exit and transaction-end hooks once per backend.
-pub fn ensure_hooks() {
-    if HOOKS_REGISTERED.get() {
-        return;
-    }
-    // SAFETY: registered from a normal backend after InitPostgres, so before_shmem_exit
-    // callbacks run LIFO *before* ShutdownPostgres releases all session locks: the hook still
-    // sees (and itself releases) this backend's slots, with shared memory attached.
-    unsafe {
-        pg_sys::before_shmem_exit(Some(on_backend_exit), pg_sys::Datum::from(0));
-        pg_sys::RegisterXactCallback(Some(on_xact_end), std::ptr::null_mut());
-        pg_sys::RegisterSubXactCallback(Some(on_subxact_end), std::ptr::null_mut());
-    }
-    HOOKS_REGISTERED.set(true);
-}
-
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
-    // Terminated (or the client gone, or the postmaster) while waiting: leave the queue, so
-    // the waiters behind are served.
-    if let Some((cap, ticket)) = WAITING.take() {
-        shmem::dequeue(cap, ticket);
-    }
-    if tracks_any() {
-        crate::slots::release_on_exit();
-    }
-}
+// -- the flush its transaction makes ---------------------------------------------------------
 
 /// Whether this transaction has a flush to settle.
 pub fn flushing() -> bool {
     FLUSH.with_borrow(Option::is_some)
 }
 
-/// Settles the caps' flush when this transaction (or the subtransaction making it) ends.
+/// This transaction (its current subtransaction) now makes a flush of `caps`, settled when it
+/// ends (`hooks`, which the caller has registered).
 pub fn flush_started(caps: Vec<(Flushed, FlushState)>) {
-    ensure_hooks();
     // SAFETY: reads the current transaction state; we are inside a transaction.
     let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
     FLUSH.set(Some(Flush { caps, subxact }));
 }
 
-fn settle(commit: bool) {
+/// The transaction ended: its flush (if any) advances each cap (commit) or stays pending.
+pub fn settle_flush(commit: bool) {
     if let Some(f) = FLUSH.take() {
         for (cap, read) in &f.caps {
             if commit {
@@ -273,52 +293,25 @@ fn settle(commit: bool) {
     }
 }
 
-/// Sleeps `ms` milliseconds, answering a cancel or terminate request.
-pub fn nap_ms(ms: i64) {
-    // SAFETY: plain sleep; CHECK_FOR_INTERRUPTS may raise an ERROR, which pgrx's guard turns
-    // into a Rust panic that unwinds to the SQL function's boundary.
-    unsafe { pg_sys::pg_usleep(ms * 1000) };
-    pgrx::check_for_interrupts!();
-}
-
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn on_xact_end(
-    event: pg_sys::XactEvent::Type,
-    _arg: *mut std::ffi::c_void,
-) {
-    use pg_sys::XactEvent::*;
-    match event {
-        // The pool would have to follow a commit made later by another session.
-        XACT_EVENT_PRE_PREPARE if FLUSH.with_borrow(Option::is_some) => {
-            pgrx::error!("cannot PREPARE a transaction that flushed stage_e_slots counters")
-        }
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => settle(true),
-        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => settle(false),
-        _ => return,
-    }
-    if tracks_any() && !matches!(event, XACT_EVENT_PRE_PREPARE) {
-        crate::slots::reconcile();
-    }
-}
-
-/// A subtransaction that made a flush aborted: its row change is undone, so the delta is pending
-/// again (and this transaction may flush anew). One that committed hands the flush to its parent.
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn on_subxact_end(
-    event: pg_sys::SubXactEvent::Type,
+/// Subtransaction `mine` ended. If it made the flush: aborted, its row change is undone, so the
+/// delta is pending again (and this transaction may flush anew); committed, the flush belongs
+/// to `parent` now.
+pub fn subxact_ended(
     mine: pg_sys::SubTransactionId,
     parent: pg_sys::SubTransactionId,
-    _arg: *mut std::ffi::c_void,
+    commit: bool,
 ) {
-    use pg_sys::SubXactEvent::*;
-    let owner = FLUSH.with_borrow(|f| f.as_ref().map(|f| f.subxact));
-    match owner {
-        Some(id) if id == mine && event == SUBXACT_EVENT_ABORT_SUB => settle(false),
-        Some(id) if id == mine && event == SUBXACT_EVENT_COMMIT_SUB => FLUSH.with_borrow_mut(|f| {
+    let owns = FLUSH.with_borrow(|f| f.as_ref().is_some_and(|f| f.subxact == mine));
+    if !owns {
+        return;
+    }
+    if commit {
+        FLUSH.with_borrow_mut(|f| {
             if let Some(f) = f {
                 f.subxact = parent;
             }
-        }),
-        _ => {}
+        });
+    } else {
+        settle_flush(false);
     }
 }

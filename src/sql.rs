@@ -12,13 +12,16 @@
 //!   standby and in `BEGIN READ ONLY`. (pgrx's `Spi::get_one`/`Spi::run` take the read-write
 //!   path and assign one.)
 //!
-//! The extension scripts (`extension_sql!` in `api`) follow the same rule for view bodies.
-//! New SQL goes here, or follows this rule where it must live elsewhere.
+//! The statements' text is built here too ([`counter_add_query`] and the others), from the
+//! version of the database's objects. The extension scripts (`sql/`) follow the same rule for
+//! view bodies.
 
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
 use pgrx::spi::{self, SpiClient};
 use pgrx::Spi;
+use stage_e_core::counters::CounterValues;
+use stage_e_core::version::SchemaVersion;
 use std::ffi::CStr;
 
 const PINNED_SEARCH_PATH: &CStr = c"pg_catalog, pg_temp";
@@ -78,30 +81,8 @@ pub fn set_local(name: &CStr, value: &CStr) {
 pub struct Extension {
     /// Its schema, quoted for SQL.
     pub schema: String,
-    pub version: String,
-}
-
-impl Extension {
-    /// A database whose library was updated but whose `ALTER EXTENSION UPDATE` has not run:
-    /// the 0.1.0 objects (one counter row, no caps) are still what its SQL sees.
-    pub fn at_0_1_0(&self) -> bool {
-        self.version == "0.1.0"
-    }
-
-    /// Whether its holders view shows leases (`token`, `expires_at`): 0.4.0 and later.
-    pub fn has_leases(&self) -> bool {
-        !matches!(self.version.as_str(), "0.1.0" | "0.2.0" | "0.3.0")
-    }
-
-    /// The counter columns its table has: the first five before 0.3.0 (the wait and hold
-    /// counters came with 0.3.0, `expired` with 0.4.0), all of them since.
-    pub fn counter_columns(&self) -> usize {
-        match self.version.as_str() {
-            "0.1.0" | "0.2.0" => crate::counters::COUNT_0_2_0,
-            "0.3.0" => crate::counters::COUNT_0_3_0,
-            _ => crate::counters::COUNT,
-        }
-    }
+    /// The version of its SQL objects (a database not yet updated keeps an older one).
+    pub version: SchemaVersion,
 }
 
 /// The extension in the current database, or None when it is not installed here.
@@ -119,7 +100,12 @@ pub fn extension() -> Option<Extension> {
             )?
             .first();
         Ok(match (row.get::<String>(1)?, row.get::<String>(2)?) {
-            (Some(schema), Some(version)) => Some(Extension { schema, version }),
+            // A version this library does not know is a newer one whose library was replaced
+            // by this older one: its objects have at least what the newest known version has.
+            (Some(schema), Some(version)) => Some(Extension {
+                schema,
+                version: SchemaVersion::parse(&version).unwrap_or(SchemaVersion::CURRENT),
+            }),
             _ => None,
         })
     })
@@ -156,4 +142,132 @@ pub fn interval_us(us: u64) -> pgrx::prelude::Interval {
     let us = us.min(i64::MAX as u64) as i64;
     pgrx::prelude::Interval::new(0, 0, us)
         .unwrap_or_else(|_| pgrx::prelude::Interval::from_micros(0))
+}
+
+// -- the statements --------------------------------------------------------------------------
+
+/// The counter columns the database's table has.
+fn counter_names(ext: &Extension) -> &'static [&'static str] {
+    &CounterValues::NAMES[..ext.version.counter_columns()]
+}
+
+/// `c = t.c + excluded.c` for each counter column.
+fn added_columns(ext: &Extension) -> String {
+    counter_names(ext)
+        .iter()
+        .map(|c| format!("{c} = t.{c} OPERATOR(pg_catalog.+) excluded.{c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One statement adding every cap's delta to its row (inserted on a cap's first flush).
+/// Parameters: at 0.1.0 (one row, no cap column) `$1..$n` the counters and `$n+1` the flush
+/// id; since, `$1` the caps (text[]), `$2..$n+1` one array per counter, `$n+2` the flush id.
+pub fn counter_add_query(ext: &Extension) -> String {
+    let names = counter_names(ext);
+    let n = names.len();
+    let cols = names.join(", ");
+    let schema = &ext.schema;
+    let set = added_columns(ext);
+    if !ext.version.has_named_caps() {
+        let params: Vec<String> = (1..=n).map(|i| format!("${i}")).collect();
+        format!(
+            "INSERT INTO {schema}.stage_e_throttle_counter AS t (id, {cols}, flushed_at, flush_id) \
+             VALUES (true, {}, pg_catalog.now(), ${}) \
+             ON CONFLICT (id) DO UPDATE SET {set}, flushed_at = excluded.flushed_at, \
+               flush_id = excluded.flush_id",
+            params.join(", "),
+            n + 1,
+        )
+    } else {
+        // ROWS FROM with one unnest per array: the multi-argument unnest shorthand only
+        // exists unqualified.
+        let arrays: Vec<String> = (1..=n + 1)
+            .map(|i| format!("pg_catalog.unnest(${i})"))
+            .collect();
+        format!(
+            "INSERT INTO {schema}.stage_e_throttle_counter AS t (cap, {cols}, flushed_at, flush_id) \
+             SELECT u.*, pg_catalog.now(), ${} FROM ROWS FROM ({}) AS u (cap, {cols}) \
+             ON CONFLICT (cap) DO UPDATE SET {set}, flushed_at = excluded.flushed_at, \
+               flush_id = excluded.flush_id",
+            n + 2,
+            arrays.join(", "),
+        )
+    }
+}
+
+/// Zeroes the rows: `$1` the flush id; with `one_cap` (since 0.2.0), `$2` the cap.
+pub fn counter_reset_query(ext: &Extension, one_cap: bool) -> String {
+    let zero: Vec<String> = counter_names(ext)
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            if CounterValues::is_time(i) {
+                format!("{c} = '0'::pg_catalog.interval")
+            } else {
+                format!("{c} = 0")
+            }
+        })
+        .collect();
+    let only = if one_cap && ext.version.has_named_caps() {
+        " WHERE cap OPERATOR(pg_catalog.=) $2"
+    } else {
+        ""
+    };
+    format!(
+        "UPDATE {}.stage_e_throttle_counter SET {}, flushed_at = pg_catalog.now(), \
+         flush_id = $1{only}",
+        ext.schema,
+        zero.join(", ")
+    )
+}
+
+/// The counter rows as `(cap, counters…, flushed_at text, flush_id)`, times as microseconds
+/// (bigint), ordered by cap. A database at 0.1.0 has one row and no cap column: `default`.
+pub fn counter_rows_query(ext: &Extension) -> String {
+    let cols: Vec<String> = counter_names(ext)
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            if CounterValues::is_time(i) {
+                format!(
+                    "(pg_catalog.date_part('epoch', {c}) OPERATOR(pg_catalog.*) 1000000)::pg_catalog.int8"
+                )
+            } else {
+                c.to_string()
+            }
+        })
+        .collect();
+    format!(
+        "SELECT {}, {}, flushed_at::pg_catalog.text, flush_id \
+           FROM {}.stage_e_throttle_counter ORDER BY 1",
+        cap_column(ext),
+        cols.join(", "),
+        ext.schema
+    )
+}
+
+/// The holders view as `(cap, slot, pid, acquired_at text, application_name, state, token,
+/// expires_at text)`; before 0.4.0 it has no lease columns.
+pub fn holders_query(ext: &Extension) -> String {
+    let lease_cols = if ext.version.has_leases() {
+        "token, expires_at::pg_catalog.text"
+    } else {
+        "NULL::pg_catalog.int8, NULL::pg_catalog.text"
+    };
+    format!(
+        "SELECT {}, slot, pid, acquired_at::pg_catalog.text, application_name, state, \
+                {lease_cols} \
+           FROM {}.stage_e_slot_holders",
+        cap_column(ext),
+        ext.schema
+    )
+}
+
+fn cap_column(ext: &Extension) -> &'static str {
+    if ext.version.has_named_caps() {
+        "cap"
+    } else {
+        "'default'::pg_catalog.text"
+    }
 }

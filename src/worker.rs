@@ -1,6 +1,6 @@
 //! Background workers that make the counters durable.
 //!
-//! A backend can only write into the database it is connected to, and pools are per database,
+//! A backend can only write into the database it is connected to, and caps are per database,
 //! so the design is pg_cron's and TimescaleDB's: one **launcher** (a static worker, started once
 //! recovery has finished, so a standby runs none until promoted) wakes every
 //! `stage_e_slots.flush_interval`, and for each database with pending counts starts a
@@ -16,7 +16,6 @@ use crate::session;
 use crate::shmem;
 use crate::slots;
 use crate::sql;
-use crate::waiting;
 use pgrx::bgworkers::{BackgroundWorker, BackgroundWorkerBuilder, SignalWakeFlags};
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
@@ -59,7 +58,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         let sample_every = interval.min(LOAD_SAMPLE);
         let now = Instant::now();
         if last_sample.is_none_or(|t| now >= t + sample_every) {
-            shmem::sample_load(waiting::now());
+            shmem::sample_load(session::now());
             slots::expire_leases_everywhere();
             last_sample = Some(now);
         }

@@ -9,6 +9,7 @@ use serde::Serialize;
 /// are made from it. (SQL names them in `sql/`.) Times are counted in microseconds and shown
 /// as `interval`. Versions before 0.3.0 had the first [`COUNT_0_2_0`] only, 0.3.0 the first
 /// [`COUNT_0_3_0`].
+#[macro_export]
 macro_rules! for_each_counter {
     ($m:ident $(, $($rest:tt)*)?) => {
         $m! {
@@ -31,6 +32,7 @@ macro_rules! for_each_counter {
 
 /// The counters of 0.3.0's functions (all but `expired`), which databases at 0.3.0 call until
 /// they update (`compat`).
+#[macro_export]
 macro_rules! for_each_counter_0_3_0 {
     ($m:ident $(, $($rest:tt)*)?) => {
         $m! {
@@ -44,6 +46,23 @@ macro_rules! for_each_counter_0_3_0 {
                 wait_timeouts: i64,
                 wait_time: Interval,
                 hold_time: Interval
+            ]
+            $($($rest)*)?
+        }
+    };
+}
+
+/// The counters of 0.1.0's and 0.2.0's functions (the first five), likewise.
+#[macro_export]
+macro_rules! for_each_counter_0_2_0 {
+    ($m:ident $(, $($rest:tt)*)?) => {
+        $m! {
+            [
+                acquired: i64,
+                throttled: i64,
+                released: i64,
+                foreign_releases: i64,
+                released_by_exit: i64
             ]
             $($($rest)*)?
         }
@@ -89,6 +108,128 @@ macro_rules! counters {
 
 for_each_counter!(counters);
 
+/// The names of a counter list, for the checks below.
+macro_rules! names_of {
+    ([$($name:ident: $ty:tt),*] $const_name:ident) => {
+        const $const_name: &[&str] = &[$(stringify!($name)),*];
+    };
+}
+for_each_counter_0_2_0!(names_of, NAMES_0_2_0);
+for_each_counter_0_3_0!(names_of, NAMES_0_3_0);
+
+const fn same_str(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// Whether `old` is the first `len` counters of the list.
+const fn is_prefix(old: &[&str], len: usize) -> bool {
+    if old.len() != len {
+        return false;
+    }
+    let mut i = 0;
+    while i < len {
+        if !same_str(old[i], CounterValues::NAMES[i]) {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+// Earlier versions' lists are the first counters of today's, in the same order.
+const _: () = assert!(is_prefix(NAMES_0_2_0, COUNT_0_2_0));
+const _: () = assert!(is_prefix(NAMES_0_3_0, COUNT_0_3_0));
+
+/// Makes [`Counter`] from its variants, with their names as strings for the check below.
+macro_rules! counter_enum {
+    ($($(#[$doc:meta])* $v:ident),* $(,)?) => {
+        /// Which counter to bump: one variant per entry of [`for_each_counter!`], in its order.
+        /// The assertion below ties the two at compile time (same count, and each variant is
+        /// its counter's name in CamelCase), so a counter added to the list and not here, or
+        /// here in another place, does not build.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Counter {
+            $($(#[$doc])* $v,)*
+        }
+
+        impl Counter {
+            /// Every counter, in list order.
+            pub const ALL: [Counter; COUNT] = [$(Counter::$v),*];
+            const VARIANTS: [&'static str; COUNT] = [$(stringify!($v)),*];
+        }
+    };
+}
+
+counter_enum!(
+    Acquired,
+    Throttled,
+    Released,
+    ForeignReleases,
+    ReleasedByExit,
+    Waits,
+    WaitTimeouts,
+    /// Microseconds.
+    WaitTime,
+    /// Microseconds.
+    HoldTime,
+    Expired,
+);
+
+impl Counter {
+    /// The counter's column name.
+    pub const fn name(self) -> &'static str {
+        CounterValues::NAMES[self as usize]
+    }
+}
+
+/// Whether `camel` is `snake` in CamelCase (`ForeignReleases` / `foreign_releases`).
+const fn camel_is_snake(camel: &str, snake: &str) -> bool {
+    let (c, s) = (camel.as_bytes(), snake.as_bytes());
+    let (mut i, mut j, mut upper) = (0, 0, true);
+    while i < c.len() && j < s.len() {
+        if s[j] == b'_' {
+            upper = true;
+            j += 1;
+            continue;
+        }
+        let want = if upper {
+            s[j].to_ascii_uppercase()
+        } else {
+            s[j]
+        };
+        if c[i] != want {
+            return false;
+        }
+        upper = false;
+        i += 1;
+        j += 1;
+    }
+    i == c.len() && j == s.len()
+}
+
+const _: () = {
+    let mut i = 0;
+    while i < COUNT {
+        assert!(Counter::ALL[i] as usize == i);
+        assert!(camel_is_snake(
+            Counter::VARIANTS[i],
+            CounterValues::NAMES[i]
+        ));
+        i += 1;
+    }
+};
+
 impl CounterValues {
     fn zip(self, other: Self, f: impl Fn(u64, u64) -> u64) -> Self {
         let (a, b) = (self.to_array(), other.to_array());
@@ -110,7 +251,7 @@ impl CounterValues {
     }
 }
 
-/// The flush bookkeeping of one pool, read consistently (by `shmem::Pool::flush_state`).
+/// The flush bookkeeping of one cap, read consistently (by the extension's flush seqlock).
 pub struct FlushState {
     pub counters: CounterValues,
     pub carried: CounterValues,
@@ -201,6 +342,19 @@ pub fn decode(text: &str) -> Option<Vec<Carried>> {
 mod unit {
     use super::*;
 
+    #[test]
+    fn the_counter_enum_follows_the_list() {
+        assert!(camel_is_snake("ForeignReleases", "foreign_releases"));
+        assert!(camel_is_snake("Expired", "expired"));
+        assert!(!camel_is_snake("WaitTime", "wait_timeouts"));
+        assert!(!camel_is_snake("Waits", "wait"));
+        for (i, c) in Counter::ALL.iter().enumerate() {
+            assert_eq!(c.name(), CounterValues::NAMES[i]);
+        }
+        assert!(is_prefix(NAMES_0_2_0, COUNT_0_2_0) && !is_prefix(NAMES_0_2_0, COUNT_0_3_0));
+        assert!(!is_prefix(&["acquired", "released"], 2), "order counts");
+    }
+
     fn v(n: u64) -> CounterValues {
         CounterValues::from_array(std::array::from_fn(|i| n + i as u64))
     }
@@ -288,7 +442,7 @@ mod unit {
 
     #[test]
     fn a_reader_that_sees_the_inflight_flush_does_not_count_it_twice() {
-        // A flush with id 7 wrote `inflight` into the row; the pool has not advanced yet.
+        // A flush with id 7 wrote `inflight` into the row; the cap has not advanced yet.
         let s = state(50, 20, 30, 7);
         let all = v(1000).plus(v(50)).minus(v(20));
         // A reader whose row carries flush id 7 already has those 30 in the row.

@@ -1,6 +1,7 @@
-//! The caps themselves, in plain Rust over the lock manager (`locks`), shared memory (`shmem`)
-//! and this backend's state (`session`). The SQL functions in `api` only translate arguments
-//! and map [`SlotError`] to ERRORs.
+//! The caps themselves: acquiring (with the wait policy in `waiting`), releasing, leases, and
+//! what the views read, over the lock manager (`locks`), shared memory (`shmem`) and this
+//! backend's state (`session`). What happens to held slots whose lock went away is `held`.
+//! The SQL functions in `api` only translate arguments and map [`SlotError`] to ERRORs.
 //!
 //! Invariants:
 //! - A slot is returned only after `LockAcquire` granted this session a *new* lock on it, so
@@ -11,14 +12,17 @@
 //! - Shared memory is touched only with the cap pinned (`shmem::Cap`), so a cap is never
 //!   reclaimed or moved under a backend that is using it.
 
-use crate::counters::CounterValues;
-use crate::directory::{self, NameError, DEFAULT_CAP};
+pub mod held;
+pub mod waiting;
+
 use crate::gucs;
 use crate::locks::{self, Probe};
-use crate::occupancy;
 use crate::session::{self, Held};
 use crate::shmem::{self, Cap, CapError, Counter};
-use crate::waiting::{self, Wait};
+use stage_e_core::counters::CounterValues;
+use stage_e_core::directory::{self, NameError, DEFAULT_CAP};
+use stage_e_core::occupancy;
+use stage_e_core::wait::Wait;
 use std::collections::HashMap;
 
 #[derive(Debug, PartialEq)]
@@ -180,8 +184,8 @@ fn existing(name: &str) -> Option<Cap> {
         }
         session::cache_cap(name, None); // reclaimed since
     }
-    let cap = shmem::lookup(session::database().to_u32(), name)?;
-    session::cache_cap(name, Some(cap.cap));
+    let cap = shmem::lookup(session::database(), name)?;
+    session::cache_cap(name, Some(cap.at));
     Some(cap)
 }
 
@@ -196,22 +200,17 @@ fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
         let cap = match existing(name) {
             Some(cap) => cap,
             None => {
-                let cap = shmem::create(
-                    session::database().to_u32(),
-                    name,
-                    n,
-                    session::database_exists,
-                )
-                .map_err(fail)?
-                .ok_or(SlotError::NotPreloaded)?;
-                session::cache_cap(name, Some(cap.cap));
+                let cap = shmem::create(session::database(), name, n, session::database_exists)
+                    .map_err(fail)?
+                    .ok_or(SlotError::NotPreloaded)?;
+                session::cache_cap(name, Some(cap.at));
                 cap
             }
         };
         if cap.capacity() >= n {
             return Ok(cap);
         }
-        let r = cap.cap;
+        let r = cap.at;
         drop(cap); // growing waits for pins to end, ours included
         shmem::grow(r, n).map_err(fail)?;
     }
@@ -301,7 +300,6 @@ fn acquire(
     let n = check_cap(n)?;
     let k = check_count(k, n)?;
     let cap = for_acquire(name, n)?;
-    session::ensure_hooks();
     if cap.waiters() == 0 {
         let now = session::statement_start();
         if let Some(got) = take(&cap, n, k, now, kind)? {
@@ -312,7 +310,7 @@ fn acquire(
         // earlier in this very transaction (transaction end would clear it), and leases may
         // have expired. Free those and look once more; without either, this costs two loads.
         let expired = expire_due(&cap);
-        if reconcile_cap(&cap) + expired > 0 {
+        if held::reconcile_cap(&cap) + expired > 0 {
             if let Some(got) = take(&cap, n, k, now, kind)? {
                 cap.counters().bump(Counter::Acquired, k as u64);
                 return Ok(Some(got));
@@ -327,57 +325,18 @@ fn acquire(
         Wait::For(d) => Some(std::time::Instant::now() + d),
         Wait::Forever => None,
     };
-    wait_in_line(cap, n, k, deadline, kind)
-}
-
-/// Queues for `k` slots of `cap` until they are had or `deadline` passes.
-fn wait_in_line(
-    cap: Cap,
-    n: u32,
-    k: u32,
-    deadline: Option<std::time::Instant>,
-    kind: Kind,
-) -> Result<Option<Taken>, SlotError> {
-    let started = waiting::now();
-    let counters = cap.counters();
-    counters.bump(Counter::Waits, 1);
-    let ticket = cap
-        .enqueue(n, k, started)
-        .ok_or(SlotError::NoWaiterRecord)?;
-    let place = cap.cap;
-    drop(cap); // a waiter holds no pin while it sleeps (its cap is not reclaimed meanwhile)
-               // Leaves the queue however this ends: returning, an ERROR unwinding, or (through the exit
-               // hook) the process exiting.
-    let queued = session::Queued::new(place, ticket);
-    let waited = || (waiting::now() - started).max(0) as u64;
-    loop {
-        waiting::reset_latch();
-        let cap = shmem::pin(place).expect("a cap with waiters is never reclaimed");
-        expire_due(&cap); // wakes the waiters that the freed slots serve, us included
-        if cap.may_take(ticket) {
-            if let Some(got) = take(&cap, n, k, waiting::now(), kind)? {
-                drop(queued); // moves the front up, and wakes whom the free slots cover
-                counters.bump(Counter::Acquired, k as u64);
-                counters.bump(Counter::WaitTime, waited());
-                return Ok(Some(got));
-            }
-        }
-        drop(cap);
-        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
-        if left.is_some_and(|l| l.is_zero()) {
-            drop(queued);
-            counters.bump(Counter::WaitTimeouts, 1);
-            counters.bump(Counter::Throttled, 1);
-            counters.bump(Counter::WaitTime, waited());
-            return Ok(None);
-        }
-        waiting::sleep(left.unwrap_or(waiting::RECHECK).min(waiting::RECHECK));
-    }
+    waiting::wait_in_line(cap, n, k, deadline, kind)
 }
 
 /// Takes `k` slots of `[0, n)`, all or none; `at` is their acquisition time. Leases are
 /// taken one at a time.
-fn take(cap: &Cap, n: u32, k: u32, at: i64, kind: Kind) -> Result<Option<Taken>, SlotError> {
+pub(super) fn take(
+    cap: &Cap,
+    n: u32,
+    k: u32,
+    at: i64,
+    kind: Kind,
+) -> Result<Option<Taken>, SlotError> {
     if k == 1 {
         // The common case, without the bookkeeping below.
         return Ok(search(cap, n, at, kind)?.map(Taken::One));
@@ -402,7 +361,7 @@ fn take(cap: &Cap, n: u32, k: u32, at: i64, kind: Kind) -> Result<Option<Taken>,
         cap.record(g.slot).clear();
         occupancy::clear(cap.bits(), g.slot);
         session::untrack(Held {
-            cap: cap.cap,
+            cap: cap.at,
             key,
             slot: g.slot,
             token: g.token,
@@ -426,7 +385,7 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
                     Kind::Session => {
                         cap.record(slot).set(session::pid(), at);
                         session::track(Held {
-                            cap: cap.cap,
+                            cap: cap.at,
                             key,
                             slot,
                             token,
@@ -436,7 +395,7 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
                     // that no raw advisory lock holds the slot. The set bit keeps others off it.
                     Kind::Lease { ttl_us } => {
                         locks::unlock(key, slot);
-                        let now = waiting::now();
+                        let now = session::now();
                         if !cap.start_lease(slot, token, now, now.saturating_add(ttl_us)) {
                             return Err(SlotError::NoLeaseRecord {
                                 max_leases: gucs::max_leases(),
@@ -464,11 +423,11 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
 
 /// Frees the leases of `cap` that have expired, if one may have: counts and logs each; returns
 /// how many. Two atomic loads when the cap has no lease.
-fn expire_due(cap: &Cap) -> usize {
+pub(super) fn expire_due(cap: &Cap) -> usize {
     if cap.lease_count() == 0 {
         return 0;
     }
-    let now = waiting::now();
+    let now = session::now();
     if !cap.lease_due(now) {
         return 0;
     }
@@ -504,7 +463,7 @@ fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
 /// Frees the expired leases of every database (the background worker's round, and a lease
 /// that found every lease record live); returns how many.
 pub fn expire_leases_everywhere() -> usize {
-    let now = waiting::now();
+    let now = session::now();
     let mut freed = 0;
     for r in shmem::caps_with_leases_due(now) {
         if let Some(cap) = shmem::pin(r) {
@@ -514,25 +473,37 @@ pub fn expire_leases_everywhere() -> usize {
     freed
 }
 
-/// `stage_e_renew(cap, slot, token, ttl)` (with `Some(ttl)`) or `stage_e_release_lease(cap,
-/// slot, token)` (with None): acts on the slot's lease only if `token` is its current one.
+/// What to do with a lease, if the token is its current one.
+#[derive(Clone, Copy, Debug)]
+pub enum LeaseAction {
+    /// `stage_e_renew`: extend it to this ttl (microseconds; None when the argument was NULL).
+    Renew { ttl_us: Option<i64> },
+    /// `stage_e_release_lease`: free it.
+    Release,
+}
+
+/// `stage_e_renew(cap, slot, token, ttl)` or `stage_e_release_lease(cap, slot, token)`: acts on
+/// the slot's lease only if `token` is its current one.
 pub fn settle_lease(
     cap: Option<&str>,
     slot: Option<i32>,
     token: Option<i64>,
-    ttl_us: Option<Option<i64>>,
+    action: LeaseAction,
 ) -> Result<LeaseOutcome, SlotError> {
     ready()?;
     let name = check_name(cap)?;
     let slot = check_slot(slot)?;
     let token = token.ok_or(SlotError::NullArgument { name: "token" })?;
-    let ttl_us = ttl_us.map(check_ttl).transpose()?;
+    let ttl_us = match action {
+        LeaseAction::Renew { ttl_us } => Some(check_ttl(ttl_us)?),
+        LeaseAction::Release => None,
+    };
     let releasing = ttl_us.is_none();
     // Counted on the cap if it exists here; this never creates one.
     let Some(cap) = existing(name) else {
         return Ok(LeaseOutcome::NotCurrent { current: None });
     };
-    let now = waiting::now();
+    let now = session::now();
     let extend_to = ttl_us.map(|t| now.saturating_add(t));
     Ok(match cap.settle_lease(slot, token as u64, now, extend_to) {
         shmem::LeaseCheck::Live(info) => {
@@ -558,7 +529,15 @@ pub fn settle_lease(
             if releasing {
                 cap.counters().bump(Counter::ForeignReleases, 1);
             }
-            LeaseOutcome::NotCurrent { current }
+            LeaseOutcome::NotCurrent {
+                current: Some(current),
+            }
+        }
+        shmem::LeaseCheck::None => {
+            if releasing {
+                cap.counters().bump(Counter::ForeignReleases, 1);
+            }
+            LeaseOutcome::NotCurrent { current: None }
         }
     })
 }
@@ -574,36 +553,6 @@ pub fn slot_token(cap: Option<&str>, slot: Option<i32>) -> Result<Option<u64>, S
         .map(|h| h.token))
 }
 
-/// Runs `f` on the cap of `held`: `near` when the caller has that cap pinned already (the
-/// hot path pins once), else a pin of its own.
-fn with_cap<R>(near: Option<&Cap>, held: Held, f: impl FnOnce(&Cap) -> R) -> Option<R> {
-    match near {
-        Some(cap) if cap.cap == held.cap => Some(f(cap)),
-        _ => shmem::pin(held.cap).map(|cap| f(&cap)),
-    }
-}
-
-/// Drops the extension's bookkeeping for a slot this backend tracked and wakes the cap's first
-/// waiter; with `released_at`, counts how long the slot was held.
-fn forget(near: Option<&Cap>, held: Held, released_at: Option<i64>) {
-    with_cap(near, held, |cap| {
-        let record = cap.record(held.slot);
-        let acquired_at = record.get().1;
-        record.clear();
-        occupancy::clear(cap.bits(), held.slot);
-        cap.wake_front();
-        if let Some(now) = released_at.filter(|_| acquired_at != 0) {
-            cap.counters()
-                .bump(Counter::HoldTime, (now - acquired_at).max(0) as u64);
-        }
-    });
-    session::untrack(held);
-}
-
-fn bump(near: Option<&Cap>, held: Held, which: Counter, by: u64) {
-    with_cap(near, held, |cap| cap.counters().bump(which, by));
-}
-
 /// `stage_e_release(cap, slot)`: releases the slot if this session holds it; otherwise changes
 /// nothing but the foreign-release count and reports who does hold it.
 pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotError> {
@@ -611,8 +560,13 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     let name = check_name(cap)?;
     let slot = check_slot(slot)?;
     let key = shmem::cap_key(name);
-    // Counted on the cap if it exists here; a release never creates one.
-    let pinned = existing(name);
+    let tracked = session::tracked_slot(key, slot);
+    // Counted on the cap if it exists here; a release never creates one. A tracked slot names
+    // its cap (the only live one of this database with that key: keys do not collide), which
+    // saves the lookup by name.
+    let pinned = tracked
+        .and_then(|h| shmem::pin(h.cap))
+        .or_else(|| existing(name));
     let count = |which| {
         if let Some(cap) = &pinned {
             cap.counters().bump(which, 1);
@@ -621,16 +575,15 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     // A tracked slot is held unless its lock was dropped behind our back earlier in this
     // transaction (transaction end reconciles), so go straight to the lock manager; an untracked
     // one is checked first, so that a foreign release does not draw core's WARNING too.
-    let tracked = session::tracked_slot(key, slot);
     if (tracked.is_some() || locks::held_by_me(key, slot)) && locks::unlock(key, slot) {
         if let Some(held) = tracked {
-            forget(pinned.as_ref(), held, Some(session::statement_start()));
+            held::forget(pinned.as_ref(), held, Some(session::statement_start()));
         }
         count(Counter::Released);
         return Ok(Release::Released);
     }
     if let Some(held) = tracked {
-        lost(pinned.as_ref(), held);
+        held::lost(pinned.as_ref(), held);
     }
     count(Counter::ForeignReleases);
     Ok(Release::NotHeld {
@@ -638,32 +591,35 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     })
 }
 
-/// `stage_e_release_all(cap)`, or with None `stage_e_release_all()`: releases every slot this
-/// session took through the extension (of that cap, or of every cap).
-pub fn release_all(cap: Option<Option<&str>>) -> Result<u32, SlotError> {
+/// Which slots `release_all` releases.
+#[derive(Clone, Copy, Debug)]
+pub enum Caps<'a> {
+    /// `stage_e_release_all()`: of every cap.
+    Every,
+    /// `stage_e_release_all(cap)`: of this one (None when the argument was NULL).
+    One(Option<&'a str>),
+}
+
+/// `stage_e_release_all(cap)` or `stage_e_release_all()`: releases every slot this session took
+/// through the extension (of that cap, or of every cap).
+pub fn release_all(caps: Caps) -> Result<u32, SlotError> {
     ready()?;
-    let key = match cap {
-        Some(name) => Some(shmem::cap_key(check_name(name)?)),
-        None => None,
+    let key = match caps {
+        Caps::One(name) => Some(shmem::cap_key(check_name(name)?)),
+        Caps::Every => None,
     };
     let mut released = 0;
     let now = session::statement_start();
-    let mut pinned: Option<Cap> = None;
-    for held in session::tracked(key) {
-        // Sorted by cap: one pin per cap.
-        if pinned.as_ref().map(|c| c.cap) != Some(held.cap) {
-            drop(pinned.take()); // frees this backend's hazard slot for the next pin
-            pinned = shmem::pin(held.cap);
-        }
+    held::each_with_cap(session::tracked(key), |pinned, held| {
         if locks::held_by_me(held.key, held.slot) {
             locks::unlock(held.key, held.slot);
-            bump(pinned.as_ref(), held, Counter::Released, 1);
-            forget(pinned.as_ref(), held, Some(now));
+            held::bump(pinned, held, Counter::Released, 1);
+            held::forget(pinned, held, Some(now));
             released += 1;
         } else {
-            lost(pinned.as_ref(), held);
+            held::lost(pinned, held);
         }
-    }
+    });
     Ok(released)
 }
 
@@ -675,93 +631,19 @@ pub fn holding(cap: Option<&str>, slot: Option<i32>) -> Result<bool, SlotError> 
     let held = locks::held_by_me(key, slot);
     if !held {
         if let Some(h) = session::tracked_slot(key, slot) {
-            lost(None, h);
+            held::lost(None, h);
         }
     }
     Ok(held)
 }
 
-/// A tracked slot whose lock this session no longer has: it was dropped behind the extension's
-/// back. Clear it so it is usable again, count it as released, and say so in the log.
-fn lost(near: Option<&Cap>, held: Held) {
-    let name = with_cap(near, held, |c| c.name()).unwrap_or_default();
-    bump(near, held, Counter::Released, 1);
-    forget(near, held, Some(session::statement_start()));
-    pgrx::log!(
-        "stage_e_slots: slot {} of cap \"{name}\" of pid {} was released outside stage_e_release \
-         (DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again",
-        held.slot,
-        session::pid()
-    );
-}
-
-/// Transaction end in a backend that tracks slots: clear any whose lock has gone.
-pub fn reconcile() {
-    for held in session::tracked_where(|h| !locks::held_by_me(h.key, h.slot)) {
-        lost(None, held);
-    }
-}
-
-/// Clears this backend's tracked slots of the cap with key `key` whose lock it no longer holds
-/// (a local lookup each); returns how many.
-fn reconcile_cap(cap: &Cap) -> usize {
-    let key = cap.key();
-    let gone = session::tracked_where(|h| h.key == key && !locks::held_by_me(h.key, h.slot));
-    for &held in &gone {
-        lost(Some(cap), held);
-    }
-    gone.len()
-}
-
-/// Backend exit (disconnect, pg_terminate_backend, client killed): release held slots now,
-/// count them, and log the incident's signature.
-pub fn release_on_exit() {
-    let mut released: Vec<(String, Vec<u32>)> = Vec::new();
-    let now = waiting::now();
-    let mut pinned: Option<Cap> = None;
-    for held in session::tracked(None) {
-        if pinned.as_ref().map(|c| c.cap) != Some(held.cap) {
-            drop(pinned.take()); // frees this backend's hazard slot for the next pin
-            pinned = shmem::pin(held.cap);
-        }
-        if locks::held_by_me(held.key, held.slot) {
-            locks::unlock(held.key, held.slot);
-            let name = pinned.as_ref().map(|c| c.name()).unwrap_or_default();
-            match released.iter_mut().find(|(n, _)| *n == name) {
-                Some((_, slots)) => slots.push(held.slot),
-                None => released.push((name, vec![held.slot])),
-            }
-            bump(pinned.as_ref(), held, Counter::ReleasedByExit, 1);
-        }
-        forget(pinned.as_ref(), held, Some(now));
-    }
-    drop(pinned);
-    if released.is_empty() {
-        return;
-    }
-    let what: Vec<String> = released
-        .iter()
-        .map(|(name, slots)| {
-            let list: Vec<String> = slots.iter().map(u32::to_string).collect();
-            format!("{} of cap \"{name}\"", list.join(", "))
-        })
-        .collect();
-    pgrx::log!(
-        "stage_e_slots: backend pid {} (application_name \"{}\") exited holding slot(s) {}; released",
-        session::pid(),
-        session::application_name(),
-        what.join("; ")
-    );
-}
-
 /// The live caps of the current database by lock key, and `default`'s key whether live or not
 /// (a raw lock on `(lock_key, s)` is a holder of `default`).
 fn caps_by_key() -> HashMap<i32, (String, Option<Cap>)> {
-    let mut by_key: HashMap<i32, (String, Option<Cap>)> =
-        shmem::caps(Some(session::database().to_u32()))
-            .into_iter()
-            .map(|c| (c.key(), (c.name(), Some(c))))
-            .collect();
+    let mut by_key: HashMap<i32, (String, Option<Cap>)> = shmem::caps(Some(session::database()))
+        .into_iter()
+        .map(|c| (c.key(), (c.name(), Some(c))))
+        .collect();
     by_key
         .entry(gucs::lock_key())
         .or_insert_with(|| (DEFAULT_CAP.to_string(), None));
@@ -832,13 +714,13 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
 /// `stage_e_slot_waiters`: sessions waiting for slots in the current database.
 pub fn waiters() -> Result<Vec<shmem::WaiterInfo>, SlotError> {
     attached()?;
-    Ok(shmem::waiters_of(session::database().to_u32()))
+    Ok(shmem::waiters_of(session::database()))
 }
 
 /// `stage_e_cap_load`: the load averages of the current database's caps.
 pub fn load() -> Result<Vec<shmem::Load>, SlotError> {
     attached()?;
-    let mut out = shmem::load_of(session::database().to_u32());
+    let mut out = shmem::load_of(session::database());
     out.sort_by(|a, b| a.cap.cmp(&b.cap));
     Ok(out)
 }

@@ -37,6 +37,31 @@ fn fnv1a(bytes: impl IntoIterator<Item = u8>, seed: u64) -> u64 {
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 
+/// FNV-1a as a `Hasher`, for a backend's own cache of cap names: a name is hashed on every call
+/// that names a cap, and FNV-1a is several times cheaper than the default SipHash for short
+/// keys. (Flooding that cache with colliding names would slow only the backend that chose them.)
+#[derive(Clone, Copy)]
+pub struct NameHasher(u64);
+
+impl Default for NameHasher {
+    fn default() -> Self {
+        NameHasher(FNV_OFFSET)
+    }
+}
+
+impl std::hash::Hasher for NameHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = fnv1a(bytes.iter().copied(), self.0);
+    }
+}
+
+/// The `BuildHasher` of [`NameHasher`].
+pub type NameHash = std::hash::BuildHasherDefault<NameHasher>;
+
 /// The first int4 of a named cap's advisory locks: the 32-bit FNV-1a of its name folded from
 /// 64 bits, so it is the same on every server, after every restart and in every release.
 /// (The `default` cap uses `stage_e_slots.lock_key` instead; see `shmem`.)
@@ -131,6 +156,22 @@ impl<'a> Index<'a> {
 mod unit {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn the_name_hasher_is_fnv_1a_and_keys_a_map() {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = NameHasher::default();
+        h.write(b"exports");
+        assert_eq!(h.finish(), fnv1a(*b"exports", FNV_OFFSET));
+        let b = NameHash::default();
+        assert_eq!(b.hash_one("exports"), b.hash_one("exports"));
+        assert_ne!(b.hash_one("exports"), b.hash_one("imports"));
+        let mut m: HashMap<String, u32, NameHash> = HashMap::default();
+        for i in 0..1_000 {
+            m.insert(format!("c{i}"), i);
+        }
+        assert!((0..1_000).all(|i| m[&format!("c{i}")] == i));
+    }
 
     #[test]
     fn names_are_1_to_63_bytes() {

@@ -1,4 +1,4 @@
-//! Occupancy bitmap: which slots of one pool are known to be held through the extension.
+//! Occupancy bitmap: which slots of one cap are known to be held through the extension.
 //!
 //! Plain Rust over `AtomicU64` words, no Postgres: the same code runs on a shared-memory
 //! bitmap in the server and on a `Vec` in unit tests. A set bit means "claimed": either a
@@ -171,7 +171,7 @@ mod unit {
         assert!(claim_first_free(&b, 0, 8).is_none());
         assert_eq!(count(&b, 8), 8);
         assert_eq!(count(&b, 128), 8);
-        // A larger cap on the same pool sees the remaining slots.
+        // A larger n on the same cap sees the remaining slots.
         assert_eq!(claim_first_free(&b, 0, 9).unwrap().keep(), 8);
     }
 

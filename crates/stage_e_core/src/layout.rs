@@ -1,0 +1,148 @@
+//! Where each part of the shared segment starts: one computation, used both to size the
+//! segment (the request hook) and to find its parts (every attach). The server supplies the
+//! sizes of its record types; the counts come from postmaster settings and are kept in the
+//! segment's header, so every process computes the same layout.
+//!
+//! ```text
+//! header                      settings, flush ids, the launcher
+//! entry × caps                a cap's fixed part (`shmem::entry`)
+//! waiter × waiters            who waits for which cap, one per backend (`shmem::waitq`)
+//! lease × leases              slots held by a token (`shmem::leases`)
+//! (to a cache line)
+//! hazard × hazards            one pin slot per backend, each on its own cache line (`shmem::pin`)
+//! u32 × index_len             the (database, name) → entry index (`directory`)
+//! u32 × arena meta            the buddy allocator's state (`arena`), rounded to 8 bytes
+//! page × pages                the slot blocks (`arena`)
+//! ```
+//!
+//! Offsets are from the segment's start, which the server aligns to a cache line: [`Layout::size`]
+//! includes the 64 bytes that alignment may take.
+
+use crate::arena;
+
+/// Bytes of a cache line, the alignment of the segment and of the hazard slots.
+pub const CACHE_LINE: usize = 64;
+
+/// How many of each record the segment holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counts {
+    pub caps: u32,
+    pub waiters: u32,
+    pub leases: u32,
+    pub hazards: u32,
+    pub index_len: u32,
+    pub pages: u32,
+}
+
+/// The size of each record type, in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    pub header: usize,
+    pub entry: usize,
+    pub waiter: usize,
+    pub lease: usize,
+    pub hazard: usize,
+}
+
+/// Offsets of the parts, from the (cache-line aligned) start of the segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub entries: usize,
+    pub waiters: usize,
+    pub leases: usize,
+    pub hazards: usize,
+    pub index: usize,
+    pub meta: usize,
+    pub meta_words: usize,
+    pub arena: usize,
+    /// End of the arena.
+    pub end: usize,
+}
+
+impl Layout {
+    pub fn new(c: Counts, s: Sizes) -> Layout {
+        let entries = s.header;
+        let waiters = entries + c.caps as usize * s.entry;
+        let leases = waiters + c.waiters as usize * s.waiter;
+        let hazards = (leases + c.leases as usize * s.lease).next_multiple_of(CACHE_LINE);
+        let index = hazards + c.hazards as usize * s.hazard;
+        let meta = index + c.index_len as usize * 4;
+        let meta_words = arena::meta_words(c.pages);
+        let words = (c.index_len as usize + meta_words).next_multiple_of(2);
+        let arena = index + words * 4;
+        let end = arena + c.pages as usize * arena::PAGE;
+        Layout {
+            entries,
+            waiters,
+            leases,
+            hazards,
+            index,
+            meta,
+            meta_words,
+            arena,
+            end,
+        }
+    }
+
+    /// Bytes to request: the parts, and room to align the start to a cache line.
+    pub fn size(&self) -> usize {
+        CACHE_LINE + self.end
+    }
+}
+
+/// Bytes from `addr` to the next cache-line boundary.
+pub fn to_cache_line(addr: usize) -> usize {
+    addr.next_multiple_of(CACHE_LINE) - addr
+}
+
+#[cfg(test)]
+mod unit {
+    use super::*;
+
+    const SIZES: Sizes = Sizes {
+        header: 64,
+        entry: 704,
+        waiter: 48,
+        lease: 48,
+        hazard: 64,
+    };
+
+    #[test]
+    fn parts_follow_each_other_aligned_and_without_overlap() {
+        for (caps, waiters, leases, pages) in
+            [(4096, 100, 4096, 8192), (1, 1, 0, 128), (7, 3, 5, 1)]
+        {
+            let c = Counts {
+                caps,
+                waiters,
+                leases,
+                hazards: waiters,
+                index_len: 2 * caps.next_power_of_two(),
+                pages,
+            };
+            let l = Layout::new(c, SIZES);
+            assert_eq!(l.entries, SIZES.header);
+            assert_eq!(l.waiters - l.entries, caps as usize * SIZES.entry);
+            assert_eq!(l.leases - l.waiters, waiters as usize * SIZES.waiter);
+            assert!(l.hazards >= l.leases + leases as usize * SIZES.lease);
+            assert!(
+                l.hazards.is_multiple_of(CACHE_LINE),
+                "hazard slots start on a line"
+            );
+            assert!(l.hazards - (l.leases + leases as usize * SIZES.lease) < CACHE_LINE);
+            assert_eq!(l.index - l.hazards, c.hazards as usize * SIZES.hazard);
+            assert_eq!(l.meta, l.index + c.index_len as usize * 4);
+            assert!(l.arena >= l.meta + l.meta_words * 4 && l.arena.is_multiple_of(8));
+            assert_eq!(l.end - l.arena, pages as usize * arena::PAGE);
+            assert_eq!(l.size(), l.end + CACHE_LINE);
+        }
+    }
+
+    #[test]
+    fn alignment_slack() {
+        assert_eq!(to_cache_line(0), 0);
+        assert_eq!(to_cache_line(1), 63);
+        assert_eq!(to_cache_line(64), 0);
+        assert_eq!(to_cache_line(100), 28);
+    }
+}

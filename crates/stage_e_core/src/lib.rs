@@ -1,0 +1,33 @@
+//! stage_e_core: the parts of stage_e_slots that need no server.
+//!
+//! Everything here is plain Rust over atomics and slices, with no `unsafe` and no pgrx, so
+//! `cargo test -p stage_e_core` runs on a machine without PostgreSQL and tests the lock-free
+//! protocols with threads. The extension places these types in its shared memory and supplies
+//! what only the server has (latches, sleeps, the clock); this crate decides what is safe.
+//!
+//! - `occupancy`: the slot bitmap of one cap and the covered-front rule of its queue;
+//! - `arena`: the buddy allocator of slot blocks;
+//! - `directory`: cap names, lock keys and the (database, name) index;
+//! - `counters`: the one list of counters, their values and the pending-counts file;
+//! - `layout`: where each part of the shared segment starts, from the settings;
+//! - `state`: a cap entry's state word (generation, lock bit, counted pins) and hazard pins;
+//! - `front`: the front seats of a cap's queue of waiters;
+//! - `lease`: a lease record's states and fencing-token arithmetic;
+//! - `load`: exponentially weighted load averages;
+//! - `wait`: how long a call may wait, from an interval;
+//! - `version`: the SQL schema versions the library serves.
+
+#![forbid(unsafe_code)]
+
+#[macro_use]
+pub mod counters;
+pub mod arena;
+pub mod directory;
+pub mod front;
+pub mod layout;
+pub mod lease;
+pub mod load;
+pub mod occupancy;
+pub mod state;
+pub mod version;
+pub mod wait;

@@ -1,0 +1,91 @@
+//! The SQL schema versions this library serves. A database keeps the objects of the version it
+//! was created or last updated at until `ALTER EXTENSION stage_e_slots UPDATE`, and the library
+//! answers each as that version did: what each version's objects have is decided here, once.
+
+/// A version of the extension's SQL objects, oldest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SchemaVersion {
+    /// One anonymous cap (`default`) and a one-row counter table.
+    V0_1_0,
+    /// Named caps: one counter row per cap, five counters.
+    V0_2_0,
+    /// Waiting: nine counters (waits, timeouts, wait and hold time).
+    V0_3_0,
+    /// Leases and fencing tokens: the `expired` counter, holders with token and expiry.
+    V0_4_0,
+}
+
+impl SchemaVersion {
+    /// The version of this library's own install script.
+    pub const CURRENT: SchemaVersion = SchemaVersion::V0_4_0;
+
+    pub const ALL: [SchemaVersion; 4] = [
+        SchemaVersion::V0_1_0,
+        SchemaVersion::V0_2_0,
+        SchemaVersion::V0_3_0,
+        SchemaVersion::V0_4_0,
+    ];
+
+    /// `pg_extension.extversion` as a version; None for one this library does not know.
+    pub fn parse(extversion: &str) -> Option<SchemaVersion> {
+        Self::ALL.into_iter().find(|v| v.as_str() == extversion)
+    }
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            SchemaVersion::V0_1_0 => "0.1.0",
+            SchemaVersion::V0_2_0 => "0.2.0",
+            SchemaVersion::V0_3_0 => "0.3.0",
+            SchemaVersion::V0_4_0 => "0.4.0",
+        }
+    }
+
+    /// Whether caps have names (one counter row each); 0.1.0 had the `default` cap only.
+    pub fn has_named_caps(self) -> bool {
+        self >= SchemaVersion::V0_2_0
+    }
+
+    /// Whether the holders view shows leases (`token`, `expires_at`).
+    pub fn has_leases(self) -> bool {
+        self >= SchemaVersion::V0_4_0
+    }
+
+    /// How many counters (of `counters::CounterValues::NAMES`, in order) its table and
+    /// functions have.
+    pub fn counter_columns(self) -> usize {
+        match self {
+            SchemaVersion::V0_1_0 | SchemaVersion::V0_2_0 => crate::counters::COUNT_0_2_0,
+            SchemaVersion::V0_3_0 => crate::counters::COUNT_0_3_0,
+            SchemaVersion::V0_4_0 => crate::counters::COUNT,
+        }
+    }
+}
+
+#[cfg(test)]
+mod unit {
+    use super::*;
+
+    #[test]
+    fn versions_parse_and_order() {
+        for v in SchemaVersion::ALL {
+            assert_eq!(SchemaVersion::parse(v.as_str()), Some(v));
+        }
+        assert_eq!(SchemaVersion::parse("0.9.9"), None);
+        assert!(SchemaVersion::ALL.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(SchemaVersion::CURRENT, *SchemaVersion::ALL.last().unwrap());
+    }
+
+    #[test]
+    fn what_each_version_has() {
+        use SchemaVersion::*;
+        assert_eq!(
+            SchemaVersion::ALL.map(|v| v.counter_columns()),
+            [5, 5, 9, crate::counters::COUNT]
+        );
+        assert_eq!(
+            SchemaVersion::ALL.map(|v| v.has_named_caps()),
+            [false, true, true, true]
+        );
+        assert!(!V0_3_0.has_leases() && V0_4_0.has_leases());
+    }
+}

@@ -1,0 +1,97 @@
+//! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and
+//! tokens), `stats` (counters, holders, waiters, load, flush and reset), `snapshot` (the jsonb
+//! document). Each function translates arguments, calls `slots` or `flush`, and maps errors
+//! (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are refused in
+//! parallel workers). Arguments are `Option` so a NULL reaches us and becomes a class-22 ERROR
+//! rather than a silent NULL from a STRICT function. The one-argument forms are the cap
+//! `default`. Every other SQL object is in `sql/schema/`; earlier versions' functions whose shape
+//! changed keep their C symbols in `compat`.
+
+use crate::errors::raise;
+use crate::slots::SlotError;
+use crate::sql;
+use pgrx::prelude::*;
+use stage_e_core::wait::{self, Wait};
+
+/// Defines a `#[pg_extern]` returning rows of some leading columns followed by the counters,
+/// so the counter columns are listed in one place (`stage_e_core::counters`' list, passed in by
+/// `for_each_counter!`). The body yields `(leading columns, CounterValues)` pairs.
+macro_rules! counter_table_fn {
+    ([$($c:ident: $cty:tt),*]
+     $(#[$attr:meta])*
+     fn $name:ident($($args:tt)*) -> ($($lead:ident: $lty:tt),*) $body:block) => {
+        $(#[$attr])*
+        #[allow(clippy::type_complexity)]
+        fn $name($($args)*) -> TableIterator<'static, ($(name!($lead, $lty),)* $(name!($c, $cty),)*)> {
+            let rows: Vec<(($($lty,)*), CounterValues)> = $body;
+            TableIterator::new(rows.into_iter().map(|(($($lead,)*), v)| {
+                ($($lead,)* $(<$cty as $crate::api::FromCounter>::from_counter(v.$c),)*)
+            }))
+        }
+    };
+}
+
+mod leases;
+mod slots;
+mod snapshot;
+mod stats;
+
+pub use snapshot::snapshot_document;
+pub use stats::{flush_rows, pending_rows, stats_rows};
+
+/// A counter as SQL shows it: a count as bigint, a time (microseconds) as interval.
+pub trait FromCounter {
+    fn from_counter(v: u64) -> Self;
+}
+
+impl FromCounter for i64 {
+    fn from_counter(v: u64) -> Self {
+        v as i64
+    }
+}
+
+impl FromCounter for Interval {
+    fn from_counter(us: u64) -> Self {
+        sql::interval_us(us)
+    }
+}
+
+/// A `wait` argument: NULL or negative is class 22.
+fn to_wait(wait: Option<Interval>) -> Wait {
+    wait.ok_or(SlotError::NullArgument { name: "wait" })
+        .and_then(|w| {
+            Wait::from_interval(w.months(), w.days(), w.micros()).ok_or(SlotError::NegativeWait)
+        })
+        .unwrap_or_else(|e| raise(e))
+}
+
+/// An interval as microseconds, saturating, so 'infinity' is a very long time.
+fn to_micros(i: Interval) -> i64 {
+    wait::interval_micros_saturating(i.months(), i.days(), i.micros())
+}
+
+// -- tables and views (sql/schema/) --------------------------------------------------------------
+
+extension_sql_file!("../../sql/schema/counter_table.sql", name = "counter_table");
+
+extension_sql_file!(
+    "../../sql/schema/views.sql",
+    name = "views",
+    requires = [
+        "counter_table",
+        stats::stage_e_pending_v4,
+        stats::stage_e_slot_holders_internal_v3,
+        stats::stage_e_slot_waiters_internal,
+        stats::stage_e_cap_load_internal
+    ],
+);
+
+extension_sql_file!(
+    "../../sql/schema/privileges.sql",
+    name = "privileges",
+    requires = [
+        stats::stage_e_flush_v4,
+        stats::stage_e_reset_stats,
+        stats::stage_e_reset_stats_cap
+    ],
+);

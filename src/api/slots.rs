@@ -1,0 +1,119 @@
+//! Session slots: take, release, hold, check (`stage_e_try_slot`, `stage_e_try_slots`,
+//! `stage_e_release`, `stage_e_release_all`, `stage_e_holding`).
+
+use super::to_wait;
+use crate::errors::{raise, warn_not_held};
+use crate::hooks;
+use crate::slots::{self, Caps, Release};
+use pgrx::prelude::*;
+use stage_e_core::directory::DEFAULT_CAP;
+
+/// A slot in `[0, n)` of the cap `default` that this session now holds, or NULL when all n are
+/// taken.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_try_slot(n: Option<i32>) -> Option<i32> {
+    try_slot(Some(DEFAULT_CAP), n)
+}
+
+/// A slot in `[0, n)` of cap `cap` that this session now holds, or NULL when all n are taken.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
+fn stage_e_try_slot_cap(cap: Option<&str>, n: Option<i32>) -> Option<i32> {
+    try_slot(cap, n)
+}
+
+/// A slot in `[0, n)` of cap `cap`, waiting up to `wait` for one (in arrival order); NULL
+/// once `wait` has passed.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
+fn stage_e_try_slot_wait_cap(
+    cap: Option<&str>,
+    n: Option<i32>,
+    wait: Option<Interval>,
+) -> Option<i32> {
+    try_slots(cap, n, Some(1), wait).map(|s| s[0])
+}
+
+/// The same for the cap `default`.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
+fn stage_e_try_slot_wait(n: Option<i32>, wait: Option<Interval>) -> Option<i32> {
+    try_slots(Some(DEFAULT_CAP), n, Some(1), wait).map(|s| s[0])
+}
+
+/// k distinct slots of `[0, n)` of cap `cap`, all or none, waiting up to `wait` for them;
+/// NULL when they could not all be had in time.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_try_slots(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: default!(Option<Interval>, "'0'"),
+) -> Option<Vec<i32>> {
+    try_slots(cap, n, k, wait)
+}
+
+fn try_slots(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: Option<Interval>,
+) -> Option<Vec<i32>> {
+    let wait = to_wait(wait);
+    hooks::ensure();
+    slots::try_slots(cap, n, k, wait)
+        .unwrap_or_else(|e| raise(e))
+        .map(|t| t.into_vec().into_iter().map(|s| s as i32).collect())
+}
+
+fn try_slot(cap: Option<&str>, n: Option<i32>) -> Option<i32> {
+    hooks::ensure();
+    slots::try_slot(cap, n)
+        .unwrap_or_else(|e| raise(e))
+        .map(|s| s as i32)
+}
+
+/// True when this session held the slot of `default` and no longer does; false with a WARNING
+/// otherwise.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_release(slot: Option<i32>) -> bool {
+    release(Some(DEFAULT_CAP), slot)
+}
+
+/// True when this session held the slot of `cap` and no longer does; false with a WARNING
+/// otherwise.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_release")]
+fn stage_e_release_cap(cap: Option<&str>, slot: Option<i32>) -> bool {
+    release(cap, slot)
+}
+
+fn release(cap: Option<&str>, slot: Option<i32>) -> bool {
+    match slots::release(cap, slot).unwrap_or_else(|e| raise(e)) {
+        Release::Released => true,
+        Release::NotHeld { holder } => {
+            warn_not_held(cap.unwrap_or_default(), slot.unwrap_or_default(), holder);
+            false
+        }
+    }
+}
+
+/// Releases every slot this session took with stage_e_try_slot, of every cap; returns how many.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_release_all() -> i32 {
+    slots::release_all(Caps::Every).unwrap_or_else(|e| raise(e)) as i32
+}
+
+/// Releases every slot of `cap` this session took; returns how many.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_release_all")]
+fn stage_e_release_all_cap(cap: Option<&str>) -> i32 {
+    slots::release_all(Caps::One(cap)).unwrap_or_else(|e| raise(e)) as i32
+}
+
+/// Whether this session holds the slot of `default` right now.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_holding(slot: Option<i32>) -> bool {
+    slots::holding(Some(DEFAULT_CAP), slot).unwrap_or_else(|e| raise(e))
+}
+
+/// Whether this session holds the slot of `cap` right now.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_holding")]
+fn stage_e_holding_cap(cap: Option<&str>, slot: Option<i32>) -> bool {
+    slots::holding(cap, slot).unwrap_or_else(|e| raise(e))
+}

@@ -1,0 +1,184 @@
+//! Counters and what is held and waited for: `stage_e_stats`, the holders', waiters' and load
+//! views' functions, `stage_e_flush`, `stage_e_reset_stats`, `stage_e_pending`.
+
+use crate::errors::{raise, raise_flush, raise_not_installed};
+use crate::flush::{self, Write};
+use crate::gucs;
+use crate::slots;
+use crate::sql;
+use pgrx::datetime::TimestampWithTimeZone;
+use pgrx::prelude::*;
+use stage_e_core::counters::CounterValues;
+use stage_e_core::for_each_counter;
+
+for_each_counter!(counter_table_fn,
+    /// One row per cap in use in the current database: counters since the cap was created,
+    /// and the slots held now (from the lock manager).
+    #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
+    fn stage_e_stats_v4() -> (cap: String, max_slots: i32, held: i32) {
+        stats_rows()
+    }
+);
+
+/// The rows of `stage_e_stats()` (since 0.2.0; each version shows its own counters).
+pub fn stats_rows() -> Vec<((String, i32, i32), CounterValues)> {
+    let max_slots = gucs::max_slots() as i32;
+    slots::stats()
+        .unwrap_or_else(|e| raise(e))
+        .into_iter()
+        .map(|s| ((s.cap, max_slots, s.held as i32), s.counts))
+        .collect()
+}
+
+/// Held slots of the current database (lock manager truth) and leases (with their token and
+/// expiry); the view adds session columns.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_slot_holders_internal")]
+#[allow(clippy::type_complexity)]
+fn stage_e_slot_holders_internal_v3() -> TableIterator<
+    'static,
+    (
+        name!(cap, String),
+        name!(slot, i32),
+        name!(pid, i32),
+        name!(acquired_at, Option<TimestampWithTimeZone>),
+        name!(token, Option<i64>),
+        name!(expires_at, Option<TimestampWithTimeZone>),
+    ),
+> {
+    let rows = slots::holders().unwrap_or_else(|e| raise(e));
+    let at = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
+    TableIterator::new(rows.into_iter().map(move |h| {
+        (
+            h.cap,
+            h.slot as i32,
+            h.pid,
+            at(h.acquired_at),
+            h.token.map(|t| t as i64),
+            at(h.expires_at),
+        )
+    }))
+}
+
+for_each_counter!(counter_table_fn,
+    /// Adds every cap's pending counts to its stage_e_throttle_counter row now; returns what it
+    /// added, per cap. Restricted (EXECUTE revoked from PUBLIC): superusers and the owner.
+    #[pg_extern(volatile, parallel_unsafe, name = "stage_e_flush")]
+    fn stage_e_flush_v4() -> (cap: String) {
+        flush_rows()
+    }
+);
+
+/// Flushes every cap now; the rows of `stage_e_flush()`: what it added, per cap.
+pub fn flush_rows() -> Vec<((String,), CounterValues)> {
+    slots::ready().unwrap_or_else(|e| raise(e));
+    flush::flush(Write::Add, None, true)
+        .unwrap_or_else(|e| raise_flush(e))
+        .unwrap_or_else(|| raise_not_installed())
+        .into_iter()
+        .map(|(cap, v)| ((cap,), v))
+        .collect()
+}
+
+/// Zeroes every cap's stage_e_throttle_counter row and pending counts. Restricted.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_reset_stats() {
+    reset(None)
+}
+
+/// Zeroes one cap's row and pending counts. Restricted.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_reset_stats")]
+fn stage_e_reset_stats_cap(cap: Option<&str>) {
+    let cap = slots::cap_key(cap)
+        .map(|_| cap)
+        .unwrap_or_else(|e| raise(e));
+    reset(cap)
+}
+
+fn reset(cap: Option<&str>) {
+    slots::ready().unwrap_or_else(|e| raise(e));
+    let dropped: u64 = flush::flush(Write::Reset, cap, true)
+        .unwrap_or_else(|e| raise_flush(e))
+        .unwrap_or_else(|| raise_not_installed())
+        .iter()
+        .map(|(_, v)| v.throttled)
+        .sum();
+    let what = match cap {
+        Some(c) => format!("cap \"{c}\" of database \"{}\"", sql::current_database()),
+        None => format!("database \"{}\"", sql::current_database()),
+    };
+    log!(
+        "stage_e_slots: counters of {what} reset by role \"{}\" (table zeroed, {dropped} pending \
+         throttles dropped)",
+        sql::current_role()
+    );
+}
+
+for_each_counter!(counter_table_fn,
+    /// Counts not yet in the table, per cap in use. `row_flush_id` is the newest flush_id among
+    /// the rows the caller read (the view passes it) so that a flush committing at that moment
+    /// is not counted twice.
+    #[pg_extern(volatile, parallel_unsafe, name = "stage_e_pending")]
+    fn stage_e_pending_v4(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
+        pending_rows(row_flush_id)
+    }
+);
+
+/// The rows of `stage_e_pending(row_flush_id)`: per cap, the counts not yet in the table.
+pub fn pending_rows(row_flush_id: Option<i64>) -> Vec<((String,), CounterValues)> {
+    slots::attached().unwrap_or_else(|e| raise(e));
+    flush::pending(row_flush_id)
+        .into_iter()
+        .map(|(cap, v)| ((cap,), v))
+        .collect()
+}
+
+/// Sessions waiting for slots in the current database (`stage_e_slot_waiters` adds session
+/// columns): position 1 is the head of its cap's queue.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_slot_waiters_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, String),
+        name!(pid, i32),
+        name!(n, i32),
+        name!(k, i32),
+        name!(waiting_since, Option<TimestampWithTimeZone>),
+        name!(position, i32),
+    ),
+> {
+    let rows = slots::waiters().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().map(|w| {
+        let since = TimestampWithTimeZone::try_from(w.since).ok();
+        (
+            w.cap,
+            w.pid,
+            w.n as i32,
+            w.k as i32,
+            since,
+            w.position as i32,
+        )
+    }))
+}
+
+/// Per cap, the slots held and the throttles per minute, averaged over 1, 5 and 15 minutes
+/// from the launcher's samples (`stage_e_cap_load` shows them).
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_cap_load_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, String),
+        name!(held_1m, f64),
+        name!(held_5m, f64),
+        name!(held_15m, f64),
+        name!(throttled_per_min_1m, f64),
+        name!(throttled_per_min_5m, f64),
+        name!(throttled_per_min_15m, f64),
+    ),
+> {
+    let rows = slots::load().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().map(|l| {
+        let [h1, h5, h15] = l.held;
+        let [t1, t5, t15] = l.throttles_per_min;
+        (l.cap, h1, h5, h15, t1, t5, t15)
+    }))
+}

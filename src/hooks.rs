@@ -1,0 +1,87 @@
+//! The backend's exit, transaction-end and subtransaction-end hooks.
+//!
+//! - At backend exit, held slots are released at once and reported, and a waiter leaves its
+//!   queue (`slots::held::release_on_exit`).
+//! - At transaction end, a counter flush is settled (`flush`: the cap advances only if the
+//!   transaction that wrote its row committed), and slots whose lock was dropped behind the
+//!   extension's back (`DISCARD ALL`, `pg_advisory_unlock_all()`, `pg_advisory_unlock(key,
+//!   slot)`; all of which only the holder itself can run) are cleared from shared memory
+//!   (`slots::held::reconcile`).
+//! - At subtransaction end, a flush made in it is settled or handed to its parent.
+//!
+//! Registered lazily, by the SQL functions that acquire (`api`) and by a flush (`flush`), before
+//! they act: `_PG_init` runs in the postmaster, whose exit callbacks children discard, and a
+//! backend that never takes a slot pays nothing. So this module sits above `slots` (whose
+//! `held` it calls) and `session` (whose state it settles), and nothing below calls it.
+
+use crate::session;
+use crate::shmem;
+use crate::slots::held;
+use pgrx::pg_sys;
+use session::BackendLocal;
+use std::cell::Cell;
+
+static REGISTERED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
+
+/// Registers the hooks once per backend (not without shared memory: then nothing is held).
+pub fn ensure() {
+    if REGISTERED.get() || !shmem::attached() {
+        return;
+    }
+    // SAFETY: registered from a normal backend after InitPostgres, so before_shmem_exit
+    // callbacks run LIFO *before* ShutdownPostgres releases all session locks: the hook still
+    // sees (and itself releases) this backend's slots, with shared memory attached.
+    unsafe {
+        pg_sys::before_shmem_exit(Some(on_backend_exit), pg_sys::Datum::from(0));
+        pg_sys::RegisterXactCallback(Some(on_xact_end), std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(Some(on_subxact_end), std::ptr::null_mut());
+    }
+    REGISTERED.set(true);
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
+    // Terminated (or the client gone, or the postmaster) while waiting: leave the queue, so
+    // the waiters behind are served.
+    if let Some((cap, ticket)) = session::take_waiting() {
+        shmem::dequeue(cap, ticket);
+    }
+    if session::tracks_any() {
+        held::release_on_exit();
+    }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_xact_end(
+    event: pg_sys::XactEvent::Type,
+    _arg: *mut std::ffi::c_void,
+) {
+    use pg_sys::XactEvent::*;
+    match event {
+        // The caps would have to follow a commit made later by another session.
+        XACT_EVENT_PRE_PREPARE if session::flushing() => {
+            pgrx::error!("cannot PREPARE a transaction that flushed stage_e_slots counters")
+        }
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => session::settle_flush(true),
+        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => session::settle_flush(false),
+        _ => return,
+    }
+    if session::tracks_any() {
+        held::reconcile();
+    }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_subxact_end(
+    event: pg_sys::SubXactEvent::Type,
+    mine: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+    _arg: *mut std::ffi::c_void,
+) {
+    use pg_sys::SubXactEvent::*;
+    match event {
+        SUBXACT_EVENT_ABORT_SUB => session::subxact_ended(mine, parent, false),
+        SUBXACT_EVENT_COMMIT_SUB => session::subxact_ended(mine, parent, true),
+        _ => {}
+    }
+}

@@ -1,0 +1,458 @@
+//! Finding, creating, growing and reclaiming caps.
+//!
+//! Caps are keyed by (database, name) through the open-addressing index (`directory`). A lookup
+//! on a backend's cache miss takes the directory lock shared, which keeps the cap from being
+//! reclaimed or grown meanwhile, so its pin is immediate. Creating, growing and reclaiming take
+//! it exclusive, and act on an entry only after setting its LOCKED bit with no pin left
+//! (`stage_e_core::state`).
+//!
+//! **Size classes.** A cap's block is a power of two pages, the smallest that holds the largest
+//! `n` it has been used with (`arena::capacity`). A cap used later with a larger `n` moves to a
+//! larger block; its holders keep their slots.
+//!
+//! **Reclaiming.** A cap with no pin, no occupied slot, no waiter, nothing pending for the table
+//! and no flush in progress is idle, and is reclaimed when room is needed (an entry or a block);
+//! its counts are already in its counter row. A cap of a dropped database is reclaimed with its
+//! pending counts (logged). Only when the caps truly in use fill `max_caps` or the arena does a
+//! create fail; a create that finds everything in use asks the launcher for a flush round (so
+//! idle caps' counts reach their rows) and waits up to [`ROOM_WAIT`] for it.
+
+use super::entry::{CapEntry, Identity};
+use super::launcher::request_flush;
+use super::segment::{directory_locked, segment, Segment, EXCLUSIVE, SHARED};
+use super::Cap;
+use crate::gucs;
+use pgrx::pg_sys;
+use stage_e_core::arena;
+use stage_e_core::directory;
+use stage_e_core::lease::token_base;
+use stage_e_core::state::CapRef;
+use std::sync::atomic::Ordering;
+
+/// Why a cap could not be created or grown.
+#[derive(Debug, PartialEq)]
+pub enum CapError {
+    /// `max_caps` caps are in use (held slots, or counts not yet flushed).
+    NoEntry { max_caps: u32, held: u32 },
+    /// The arena has no block large enough.
+    NoMemory { slots: u32 },
+    /// Another cap of this database uses the same lock key.
+    KeyCollision { other: String, key: i32 },
+    /// The cap stayed pinned too long to be grown (a backend died mid-call).
+    Busy,
+}
+
+/// How long a create waits for a flush round to make idle caps reclaimable.
+const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(1_000);
+
+/// The lock key of cap `name`: `stage_e_slots.lock_key` for `default`, else the name's hash.
+pub fn cap_key(name: &str) -> i32 {
+    if name == directory::DEFAULT_CAP {
+        gucs::lock_key()
+    } else {
+        directory::name_key(name)
+    }
+}
+
+impl CapEntry {
+    /// Nothing refers to the cap but its entry: no flush, no waiter, nothing pending.
+    fn idle(&self) -> bool {
+        self.flusher.load(Ordering::Acquire) == 0
+            && self.waiters.load(Ordering::Acquire) == 0
+            && self.pending().is_zero()
+    }
+}
+
+impl Segment {
+    fn find(&self, db: u32, name: &str) -> Option<u32> {
+        let hash = directory::index_hash(db, name);
+        self.index().find(hash, |i| self.entry(i).is(db, name))
+    }
+
+    fn cap_ref(&self, i: u32) -> CapRef {
+        self.entry(i).state.cap_ref(i)
+    }
+
+    fn free_entry(&self) -> Option<usize> {
+        self.entries.iter().position(|e| !e.in_use())
+    }
+
+    fn occupied(&self, e: &CapEntry) -> bool {
+        self.block(e)
+            .1
+            .iter()
+            .any(|w| w.load(Ordering::Acquire) != 0)
+    }
+
+    /// Under the exclusive lock: the cap `(db, name)`, created with room for `slots` slots.
+    /// `exists` says whether a database still exists.
+    pub(super) fn create(
+        &self,
+        db: u32,
+        name: &str,
+        key: i32,
+        slots: u32,
+        exists: &dyn Fn(u32) -> bool,
+    ) -> Result<CapRef, CapError> {
+        if let Some(i) = self.find(db, name) {
+            return Ok(self.cap_ref(i));
+        }
+        // Two caps of one database on one lock key would share slots: refuse the newcomer,
+        // unless the other cap is idle (then it goes, and comes back refused if used again).
+        let same_key = (0..self.entries.len() as u32).find(|&i| {
+            let e = self.entry(i);
+            e.database() == db && e.key() == key
+        });
+        if let Some(j) = same_key {
+            let other = self.entry(j);
+            if !(other.idle() && self.try_reclaim(j, false)) {
+                return Err(CapError::KeyCollision {
+                    other: other.name(),
+                    key,
+                });
+            }
+        }
+        if name != directory::DEFAULT_CAP && key == gucs::lock_key() {
+            return Err(CapError::KeyCollision {
+                other: directory::DEFAULT_CAP.to_string(),
+                key,
+            });
+        }
+        let order = arena::order_for(slots.max(1));
+        let mut entry = self.free_entry();
+        let mut block = self.buddy().alloc(order);
+        if entry.is_none() || block.is_none() {
+            self.reclaim_idle(exists, order);
+            entry = entry.or_else(|| self.free_entry());
+            block = block.or_else(|| self.buddy().alloc(order));
+        }
+        let Some(i) = entry else {
+            if let Some(b) = block {
+                self.buddy().free(b);
+            }
+            request_flush();
+            return Err(CapError::NoEntry {
+                max_caps: self.max_caps(),
+                held: self
+                    .live()
+                    .filter(|e| !e.idle() || self.occupied(e))
+                    .count() as u32,
+            });
+        };
+        let Some(block) = block else {
+            request_flush();
+            return Err(CapError::NoMemory { slots });
+        };
+        let i = i as u32;
+        let e = self.entry(i);
+        // A free entry has no pins and a generation above any reference to its last cap.
+        e.state.lock();
+        e.set_block(block, arena::capacity(order));
+        self.clear_block(e);
+        e.start_tokens(token_base(now()));
+        let hash = directory::index_hash(db, name);
+        e.set_identity(Identity {
+            database: db,
+            name,
+            key,
+            hash,
+        });
+        self.index().insert(hash, i);
+        e.state.unlock();
+        if self.live().count() as u32 * 4 >= self.max_caps() * 3 {
+            request_flush(); // crowded: get idle caps' counts into their rows
+        }
+        Ok(self.cap_ref(i))
+    }
+
+    fn clear_block(&self, e: &CapEntry) {
+        let (records, bits) = self.block(e);
+        for r in records {
+            r.clear();
+        }
+        for w in bits {
+            w.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Under the exclusive lock: reclaims idle caps (and those of dropped databases, which
+    /// `exists` denies) until an entry is free and a block of `order` can be had.
+    fn reclaim_idle(&self, exists: &dyn Fn(u32) -> bool, order: u32) {
+        for i in 0..self.entries.len() as u32 {
+            let e = self.entry(i);
+            let db = e.database();
+            if db == 0 {
+                continue;
+            }
+            let dropped = !exists(db);
+            if (dropped || e.idle()) && self.try_reclaim(i, dropped) && self.buddy_has(order) {
+                return;
+            }
+        }
+    }
+
+    fn buddy_has(&self, order: u32) -> bool {
+        match self.buddy().alloc(order) {
+            Some(b) => {
+                self.buddy().free(b);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Under the exclusive lock: frees entry `i` if nothing refers to it. With `dropped`, its
+    /// pending counts go too (its database no longer exists), and the log says so.
+    fn try_reclaim(&self, i: u32, dropped: bool) -> bool {
+        let e = self.entry(i);
+        let Some(before) = e.state.lock_unpinned(i, self.hazards.iter().map(|h| &h.0)) else {
+            return false;
+        };
+        let busy = self.occupied(e)
+            || e.flusher.load(Ordering::Acquire) != 0
+            || e.waiters.load(Ordering::Acquire) != 0
+            || (!dropped && !e.pending().is_zero());
+        if busy {
+            e.state.unlock();
+            return false;
+        }
+        if dropped {
+            let p = e.pending();
+            let counts = if p.is_zero() {
+                String::new()
+            } else {
+                format!(
+                    "; dropped its pending counters ({} acquired, {} throttled)",
+                    p.acquired, p.throttled
+                )
+            };
+            pgrx::log!(
+                "stage_e_slots: reclaimed cap \"{}\" of dropped database {}{counts}",
+                e.name(),
+                e.database(),
+            );
+        }
+        self.index().remove(e.hash(), i, |o| self.entry(o).hash());
+        self.buddy().free(e.block().0);
+        e.clear_counters();
+        e.clear_load();
+        e.clear_identity();
+        // New generation, unlocked, no pins: every cached reference to the old cap now fails.
+        e.state.retire(before);
+        true
+    }
+
+    /// Under the exclusive lock: moves the cap to a block of at least `slots` slots.
+    fn grow(&self, cap: CapRef, slots: u32) -> Result<(), CapError> {
+        let e = self.entry(cap.entry);
+        let Some(before) = e.state.lock_at(cap.generation) else {
+            return Ok(()); // reclaimed meanwhile: the caller looks it up again
+        };
+        let unlock = || e.state.unlock();
+        if e.capacity() >= slots {
+            unlock();
+            return Ok(());
+        }
+        // No new pin can start; wait (briefly) for the current ones to end.
+        let mut waited = 0;
+        while e
+            .state
+            .pinned(cap.entry, before, self.hazards.iter().map(|h| &h.0))
+        {
+            if waited > 20_000 {
+                unlock();
+                return Err(CapError::Busy);
+            }
+            super::segment::nap(50);
+            waited += 1;
+        }
+        let order = arena::order_for(slots);
+        let Some(new) = self.buddy().alloc(order) else {
+            unlock();
+            return Err(CapError::NoMemory { slots });
+        };
+        let (old_records, old_bits) = self.block(e);
+        let old_block = e.block().0;
+        e.set_block(new, arena::capacity(order));
+        self.clear_block(e);
+        let (records, bits) = self.block(e);
+        for (to, from) in records.iter().zip(old_records) {
+            let (pid, at) = from.get();
+            to.set(pid, at);
+        }
+        for (to, from) in bits.iter().zip(old_bits) {
+            to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        self.buddy().free(old_block);
+        unlock();
+        Ok(())
+    }
+}
+
+fn now() -> i64 {
+    // SAFETY: reads the clock.
+    unsafe { pg_sys::GetCurrentTimestamp() }
+}
+
+/// The cap `(db, name)` pinned, if it exists: a lookup under the shared directory lock (which
+/// keeps it from being reclaimed or grown meanwhile, so the pin is immediate).
+pub fn lookup(db: u32, name: &str) -> Option<Cap> {
+    let seg = segment()?;
+    directory_locked(SHARED, || {
+        let i = seg.find(db, name)?;
+        seg.entry(i).pin(seg.cap_ref(i))
+    })
+}
+
+/// The cap `(db, name)` pinned, created (with room for `slots` slots) if it does not exist.
+/// `exists` says whether a database still exists (a catalog lookup, made only when full).
+pub fn create(
+    db: u32,
+    name: &str,
+    slots: u32,
+    exists: impl Fn(u32) -> bool,
+) -> Result<Option<Cap>, CapError> {
+    let Some(seg) = segment() else {
+        return Ok(None);
+    };
+    let key = cap_key(name);
+    // Which full caps belong to dropped databases is a catalog lookup, made before taking the
+    // lock (and only when the directory is full).
+    let full = seg.live().count() as u32 >= seg.max_caps();
+    let gone: Vec<u32> = if full {
+        let mut dbs: Vec<u32> = seg.live().map(|e| e.database()).collect();
+        dbs.sort_unstable();
+        dbs.dedup();
+        dbs.into_iter().filter(|&d| d != db && !exists(d)).collect()
+    } else {
+        Vec::new()
+    };
+    // Full of caps that become idle as soon as their counts are flushed: a flush round has
+    // been asked for; wait for it (up to ROOM_WAIT), then fail closed.
+    let started = std::time::Instant::now();
+    loop {
+        let made = directory_locked(EXCLUSIVE, || {
+            let cap = seg.create(db, name, key, slots, &|d| !gone.contains(&d))?;
+            Ok(seg.entry(cap.entry).pin(cap))
+        });
+        match made {
+            Err(CapError::NoEntry { .. } | CapError::NoMemory { .. })
+                if started.elapsed() < ROOM_WAIT =>
+            {
+                super::segment::nap(2_000);
+                pgrx::check_for_interrupts!();
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Restores a cap at start (the postmaster, before any backend: no lock is contended).
+pub(super) fn create_at_start(
+    seg: &Segment,
+    db: u32,
+    name: &str,
+) -> Result<&'static CapEntry, CapError> {
+    let cap = seg.create(db, name, cap_key(name), 1, &|_| true)?;
+    Ok(seg.entry(cap.entry))
+}
+
+/// Moves `cap` to a block with room for `slots` slots (its holders keep theirs).
+pub fn grow(cap: CapRef, slots: u32) -> Result<(), CapError> {
+    let Some(seg) = segment() else { return Ok(()) };
+    directory_locked(EXCLUSIVE, || seg.grow(cap, slots))
+}
+
+/// Reclaims every cap of database `db`, which no longer exists (the launcher's round).
+pub fn reclaim_database(db: u32) {
+    let Some(seg) = segment() else { return };
+    directory_locked(EXCLUSIVE, || {
+        for i in 0..seg.entries.len() as u32 {
+            if seg.entry(i).database() == db {
+                seg.try_reclaim(i, true);
+            }
+        }
+    });
+}
+
+/// The caps of database `db`, unpinned: pin each with `pin` while using it.
+pub fn cap_refs(db: u32) -> Vec<CapRef> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    (0..seg.entries.len() as u32)
+        .filter(|&i| seg.entry(i).in_use() && seg.entry(i).database() == db)
+        .map(|i| seg.cap_ref(i))
+        .collect()
+}
+
+/// Pinned caps of database `db` (every cap when `db` is None), in entry order.
+pub fn caps(db: Option<u32>) -> Vec<Cap> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    (0..seg.entries.len() as u32)
+        .filter_map(|i| {
+            let e = seg.entry(i);
+            if !e.in_use() {
+                return None;
+            }
+            let d = e.database();
+            if db.is_some_and(|want| want != d) {
+                return None;
+            }
+            let pinned = e.pin_counted(seg.cap_ref(i))?;
+            // Re-check under the pin: the entry may have been reclaimed and reused.
+            (pinned.database() == d).then_some(pinned)
+        })
+        .collect()
+}
+
+fn sorted(mut dbs: Vec<u32>) -> Vec<u32> {
+    dbs.sort_unstable();
+    dbs.dedup();
+    dbs
+}
+
+/// Databases that have caps with counts pending, for the launcher.
+pub fn databases_with_pending() -> Vec<u32> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    sorted(
+        seg.live()
+            .filter(|e| e.flusher.load(Ordering::Acquire) == 0 && !e.pending().is_zero())
+            .map(|e| e.database())
+            .filter(|&d| d != 0)
+            .collect(),
+    )
+}
+
+/// Every database with a live cap.
+pub fn databases() -> Vec<u32> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    sorted(seg.live().map(|e| e.database()).collect())
+}
+
+/// How full the directory and the arena are.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Usage {
+    pub caps: u32,
+    pub max_caps: u32,
+    pub free_pages: u64,
+    pub pages: u32,
+}
+
+pub fn usage() -> Usage {
+    let Some(seg) = segment() else {
+        return Usage::default();
+    };
+    Usage {
+        caps: seg.live().count() as u32,
+        max_caps: seg.max_caps(),
+        free_pages: directory_locked(SHARED, || seg.buddy().free_pages()),
+        pages: seg.pages(),
+    }
+}

@@ -1,0 +1,160 @@
+//! A cap's counters, and the flush bookkeeping that makes them durable exactly once.
+//!
+//! **Hot counters.** One relaxed atomic per counter (`stage_e_core::counters::Counter`), bumped
+//! by every call: each is an independent monotonic tally, read only to report and to flush.
+//! They share their cache lines with the other fields that change as slots are taken (the
+//! fencing token and the lease fields, `leases`), away from the fields every call only reads.
+//!
+//! **Flush seqlock.** `carried`, `flushed`, `inflight` and `inflight_id` change only in the
+//! process that holds the cap's flusher role (a CAS on `flusher`, taken by `flush`), as one
+//! seqlock write: `version` is odd while they change. Readers ([`CapEntry::flush_state`]) retry
+//! until they read an even, unchanged version, so the pending counts they compute are from one
+//! consistent state. A cap whose role is held is never reclaimed, so the role needs no pin.
+
+use super::entry::CapEntry;
+use super::Cap;
+use stage_e_core::counters::{Counter, CounterValues, FlushState, COUNT};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+/// One value per counter, in `CounterValues::NAMES` order.
+#[repr(C)]
+pub struct Counters([AtomicU64; COUNT]);
+
+impl Counters {
+    pub fn bump(&self, which: Counter, by: u64) {
+        self.0[which as usize].fetch_add(by, Ordering::Relaxed);
+    }
+
+    pub fn load(&self) -> CounterValues {
+        CounterValues::from_array(std::array::from_fn(|i| self.0[i].load(Ordering::Relaxed)))
+    }
+
+    pub(super) fn store(&self, v: CounterValues) {
+        for (c, x) in self.0.iter().zip(v.to_array()) {
+            c.store(x, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The counters every call bumps, on cache lines of their own, with the other fields that
+/// change as slots are taken.
+#[repr(C, align(64))]
+pub(super) struct HotCounters {
+    pub(super) counts: Counters,
+    /// The last fencing token handed out (`leases`).
+    pub(super) last_token: AtomicU64,
+    /// Live leases, and no lease expires before `lease_due` (a lower bound; `leases`).
+    pub(super) leases: AtomicU32,
+    _pad: u32,
+    pub(super) lease_due: AtomicI64,
+}
+
+impl CapEntry {
+    /// The flush bookkeeping, read consistently.
+    pub(super) fn flush_state(&self) -> FlushState {
+        loop {
+            let before = self.version.load(Ordering::Acquire);
+            if before % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let state = FlushState {
+                counters: self.counters.counts.load(),
+                carried: self.carried.load(),
+                flushed: self.flushed.load(),
+                inflight: self.inflight.load(),
+                inflight_id: self.inflight_id.load(Ordering::Relaxed),
+            };
+            std::sync::atomic::fence(Ordering::Acquire);
+            if self.version.load(Ordering::Relaxed) == before {
+                return state;
+            }
+        }
+    }
+
+    /// Runs `f` on the bookkeeping fields as one seqlock write. Only the flusher (or the
+    /// postmaster, before any backend) calls this.
+    fn write(&self, f: impl FnOnce(&CapEntry)) {
+        self.version.fetch_add(1, Ordering::AcqRel);
+        f(self);
+        self.version.fetch_add(1, Ordering::Release);
+    }
+
+    /// Adds counts saved at the last clean shutdown (`persist`).
+    pub(super) fn carry(&self, v: CounterValues) {
+        self.write(|e| e.carried.store(e.carried.load().plus(v)));
+    }
+
+    /// Counts not yet in the table.
+    pub(super) fn pending(&self) -> CounterValues {
+        self.flush_state().pending(None)
+    }
+
+    /// Under the exclusive directory lock, reclaiming: every count back to zero.
+    pub(super) fn clear_counters(&self) {
+        let zero = CounterValues::default();
+        self.counters.counts.store(zero);
+        self.carried.store(zero);
+        self.flushed.store(zero);
+        self.inflight.store(zero);
+        self.inflight_id.store(0, Ordering::Relaxed);
+    }
+}
+
+/// The flusher role of one cap: settles its flush at transaction end.
+pub struct Flushed(&'static CapEntry);
+
+impl Flushed {
+    pub fn set_inflight(&self, id: u64, delta: CounterValues) {
+        self.0.write(|e| {
+            e.inflight.store(delta);
+            e.inflight_id.store(id, Ordering::Relaxed);
+        });
+    }
+
+    pub fn flush_state(&self) -> FlushState {
+        self.0.flush_state()
+    }
+
+    /// The flush's transaction committed: what it read is now in the table.
+    pub fn commit(&self, read: &FlushState) {
+        let e = self.0;
+        e.write(|e| {
+            e.flushed.store(read.counters);
+            e.carried.store(e.carried.load().minus(read.carried));
+            e.inflight.store(CounterValues::default());
+            e.inflight_id.store(0, Ordering::Relaxed);
+        });
+        e.flusher.store(0, Ordering::Release);
+    }
+
+    /// The flush's transaction (or subtransaction) aborted: its delta is still pending.
+    pub fn abort(&self) {
+        let e = self.0;
+        e.write(|e| {
+            e.inflight.store(CounterValues::default());
+            e.inflight_id.store(0, Ordering::Relaxed);
+        });
+        e.flusher.store(0, Ordering::Release);
+    }
+}
+
+impl Cap {
+    pub fn counters(&self) -> &'static Counters {
+        &self.entry().counters.counts
+    }
+
+    pub fn flush_state(&self) -> FlushState {
+        self.entry().flush_state()
+    }
+
+    /// Makes `pid` this cap's only flusher and returns the role; None if another flush is in
+    /// progress.
+    pub fn begin_flush(&self, pid: i32) -> Option<Flushed> {
+        self.entry()
+            .flusher
+            .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+            .then(|| Flushed(self.entry()))
+    }
+}

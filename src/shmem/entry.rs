@@ -1,0 +1,178 @@
+//! A cap's entry in shared memory, and the holder records of its slots.
+//!
+//! An entry is free (database 0) or holds one cap of one database. Its identity (database,
+//! name, lock key, hash) and its slot block (first page, capacity) are written only under the
+//! exclusive directory lock with the entry LOCKED (`caps`), so a process holding a pin (`pin`)
+//! reads them without a lock. The other fields have protocols of their own, each in the file of
+//! its concern: the counters and the flush seqlock (`counters`), the waiters and the front
+//! seats (`waitq`), the lease fields (`leases`), the load averages (`load`).
+//!
+//! Field order is layout: the fields every call reads fill the first cache line, the counters
+//! every call bumps (with the fencing token and the lease fields) have lines of their own.
+
+use super::counters::{Counters, HotCounters};
+use stage_e_core::front::Front;
+use stage_e_core::load::Averages;
+use stage_e_core::state::State;
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+/// Bytes of a cap's name at most (`directory::MAX_NAME`, rounded up to words).
+const NAME_WORDS: usize = 8;
+
+#[repr(C)]
+pub(super) struct CapEntry {
+    /// Generation, LOCKED, counted pins (`stage_e_core::state`).
+    pub(super) state: State,
+    /// 0 = free entry.
+    dboid: AtomicU32,
+    /// First int4 of the cap's advisory locks.
+    key: AtomicI32,
+    /// First page of the slot block, and how many slots it holds.
+    block: AtomicU32,
+    capacity: AtomicU32,
+    name_len: AtomicU32,
+    /// Pid of the process whose open transaction is flushing this cap; 0 = none. Only that
+    /// process writes the flush bookkeeping (`counters`).
+    pub(super) flusher: AtomicI32,
+    hash: AtomicU64,
+    name: [AtomicU64; NAME_WORDS],
+    /// Waiters in the queue (read by every call; `waitq`).
+    pub(super) waiters: AtomicU32,
+    _pad: u32,
+    /// Id of the flush in progress (0 = none; its delta is `inflight`), and the seqlock over
+    /// carried/flushed/inflight (`counters`).
+    pub(super) inflight_id: AtomicU64,
+    pub(super) version: AtomicU64,
+    /// Counted since the cap was created (the hot path writes only these).
+    pub(super) counters: HotCounters,
+    /// Pending counts saved at the last clean shutdown, not yet in the table.
+    pub(super) carried: Counters,
+    /// Value of `counters` at the last committed flush.
+    pub(super) flushed: Counters,
+    /// Delta written by the flush in progress.
+    pub(super) inflight: Counters,
+    /// The next ticket of the queue, and its first waiters (`waitq`).
+    pub(super) tail: AtomicU64,
+    pub(super) front: Front,
+    /// Load averages over 1, 5 and 15 minutes, written by the launcher only (`load`).
+    pub(super) load_held: Averages,
+    pub(super) load_throttles: Averages,
+    pub(super) load_last_throttled: AtomicU64,
+    pub(super) load_last_us: AtomicI64,
+}
+
+/// 704 bytes: eleven cache lines. A change here is a change of the memory budget (README).
+const _: () = assert!(size_of::<CapEntry>() == 704);
+
+/// An entry's identity, as `caps` writes it.
+pub(super) struct Identity<'a> {
+    pub(super) database: u32,
+    pub(super) name: &'a str,
+    pub(super) key: i32,
+    pub(super) hash: u64,
+}
+
+impl CapEntry {
+    pub(super) fn in_use(&self) -> bool {
+        self.dboid.load(Ordering::Acquire) != 0
+    }
+
+    pub(super) fn database(&self) -> u32 {
+        self.dboid.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn key(&self) -> i32 {
+        self.key.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn hash(&self) -> u64 {
+        self.hash.load(Ordering::Relaxed)
+    }
+
+    /// (first page, capacity) of the slot block.
+    pub(super) fn block(&self) -> (u32, u32) {
+        (
+            self.block.load(Ordering::Acquire),
+            self.capacity.load(Ordering::Acquire),
+        )
+    }
+
+    pub(super) fn capacity(&self) -> u32 {
+        self.capacity.load(Ordering::Acquire)
+    }
+
+    /// Under the exclusive directory lock, LOCKED: the slot block.
+    pub(super) fn set_block(&self, page: u32, capacity: u32) {
+        self.block.store(page, Ordering::Relaxed);
+        self.capacity.store(capacity, Ordering::Relaxed);
+    }
+
+    pub(super) fn name(&self) -> String {
+        let len = self.name_len.load(Ordering::Relaxed) as usize;
+        let bytes: Vec<u8> = self
+            .name
+            .iter()
+            .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
+            .take(len.min(NAME_WORDS * 8))
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    pub(super) fn is(&self, db: u32, name: &str) -> bool {
+        self.dboid.load(Ordering::Relaxed) == db
+            && self.name_len.load(Ordering::Relaxed) as usize == name.len()
+            && self.name() == name
+    }
+
+    /// Under the exclusive directory lock, LOCKED: makes this free entry the cap `id`; the
+    /// database is stored last (Release), so a reader that sees it sees the rest.
+    pub(super) fn set_identity(&self, id: Identity) {
+        let mut bytes = [0u8; NAME_WORDS * 8];
+        bytes[..id.name.len()].copy_from_slice(id.name.as_bytes());
+        for (w, chunk) in self.name.iter().zip(bytes.chunks(8)) {
+            w.store(
+                u64::from_le_bytes(chunk.try_into().expect("8 bytes")),
+                Ordering::Relaxed,
+            );
+        }
+        self.name_len.store(id.name.len() as u32, Ordering::Relaxed);
+        self.key.store(id.key, Ordering::Relaxed);
+        self.hash.store(id.hash, Ordering::Relaxed);
+        self.dboid.store(id.database, Ordering::Release);
+    }
+
+    /// Under the exclusive directory lock, LOCKED, unpinned: the entry is free again.
+    pub(super) fn clear_identity(&self) {
+        self.capacity.store(0, Ordering::Relaxed);
+        self.dboid.store(0, Ordering::Release);
+    }
+}
+
+/// Who holds a slot through the extension. Written only by the backend whose claim set the
+/// slot's bit (or, for a lease, by the lease's taker and whoever ends it), before the bit is
+/// cleared, so a reader that sees the bit set sees its owner's record (or zeros while the owner
+/// is between claim and lock). A negative pid names a lease record (`stage_e_core::lease`).
+#[repr(C)]
+pub struct SlotRecord {
+    pid: AtomicI32,
+    _pad: u32,
+    acquired_at: AtomicI64,
+}
+
+impl SlotRecord {
+    pub fn set(&self, pid: i32, acquired_at: i64) {
+        self.acquired_at.store(acquired_at, Ordering::Relaxed);
+        self.pid.store(pid, Ordering::Release);
+    }
+
+    pub fn clear(&self) {
+        self.pid.store(0, Ordering::Release);
+        self.acquired_at.store(0, Ordering::Relaxed);
+    }
+
+    /// `(pid, acquired_at)`, pid 0 when nobody holds the slot through the extension.
+    pub fn get(&self) -> (i32, i64) {
+        let pid = self.pid.load(Ordering::Acquire);
+        (pid, self.acquired_at.load(Ordering::Relaxed))
+    }
+}

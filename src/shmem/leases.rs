@@ -1,0 +1,300 @@
+//! Leases: slots held by a token, not a session; and the fencing tokens of every acquisition.
+//!
+//! A lease's bit is set like a session slot's, and its slot record names a lease record
+//! (`stage_e_core::lease::marker`) instead of a backend. There is no advisory lock (no session
+//! holds it), so shared memory is the truth for leases: the bit keeps session tries and other
+//! leases off the slot, and only the lease record frees it. A record changes only in the process
+//! that moved it to BUSY (`stage_e_core::lease::LeaseState`), so a renewal, a release by token
+//! and an expiry never act on one lease at once. A lease is taken with the cap pinned, and every
+//! operation on one pins its cap, so the record's (entry, generation, slot) tells a stale lease
+//! from a live one.
+//!
+//! **Expiry bound.** `lease_due` is a lower bound of the cap's expiries, so a call checks for
+//! expired leases with two loads. A sweep resets it *before* its scan and every lease it keeps
+//! lowers it again, as does every lease started meanwhile (after its slot record is set): so no
+//! lease is ever left out of it.
+//!
+//! **Tokens.** Every acquisition, session slot or lease, takes the next value of the cap's
+//! `last_token`, started from the clock when the entry is made (`stage_e_core::lease`).
+
+use super::entry::CapEntry;
+use super::pin::pin;
+use super::segment::segment;
+use super::Cap;
+use pgrx::pg_sys;
+use stage_e_core::lease::{self, LeaseState};
+use stage_e_core::occupancy;
+use stage_e_core::state::CapRef;
+use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+/// A lease: FREE, or LIVE on slot `slot` of the cap in entry `entry` at `generation`, or BUSY
+/// while one process reads and changes it.
+#[repr(C)]
+pub(super) struct LeaseRecord {
+    state: LeaseState,
+    entry: AtomicU32,
+    generation: AtomicU32,
+    slot: AtomicU32,
+    pid: AtomicI32,
+    _pad: u32,
+    token: AtomicU64,
+    acquired_at: AtomicI64,
+    expires_at: AtomicI64,
+}
+
+/// A live lease as the holders view and the sweeps see it.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseInfo {
+    pub slot: u32,
+    pub token: u64,
+    pub pid: i32,
+    pub acquired_at: i64,
+    pub expires_at: i64,
+}
+
+/// What a lease operation found (the lease as it was), for its caller to count and report.
+#[derive(Clone, Copy, Debug)]
+pub enum LeaseCheck {
+    /// The token is the slot's current lease, live at `now`.
+    Live(LeaseInfo),
+    /// The token was the slot's lease, but it expired (it has now been freed as expired).
+    Expired(LeaseInfo),
+    /// The slot has a lease with another token.
+    Other(LeaseInfo),
+    /// The slot has no lease.
+    None,
+}
+
+impl LeaseRecord {
+    fn info(&self) -> LeaseInfo {
+        LeaseInfo {
+            slot: self.slot.load(Ordering::Relaxed),
+            token: self.token.load(Ordering::Relaxed),
+            pid: self.pid.load(Ordering::Relaxed),
+            acquired_at: self.acquired_at.load(Ordering::Relaxed),
+            expires_at: self.expires_at.load(Ordering::Relaxed),
+        }
+    }
+
+    fn cap(&self) -> CapRef {
+        CapRef {
+            entry: self.entry.load(Ordering::Relaxed),
+            generation: self.generation.load(Ordering::Relaxed),
+        }
+    }
+
+    fn is_of(&self, cap: CapRef, slot: u32) -> bool {
+        self.cap() == cap && self.slot.load(Ordering::Relaxed) == slot
+    }
+}
+
+impl CapEntry {
+    /// Under the exclusive directory lock, creating: the cap's first token and no lease.
+    pub(super) fn start_tokens(&self, base: u64) {
+        self.counters.last_token.store(base, Ordering::Relaxed);
+        self.counters.leases.store(0, Ordering::Relaxed);
+        self.counters.lease_due.store(i64::MAX, Ordering::Relaxed);
+    }
+}
+
+impl Cap {
+    /// The next fencing token of this cap.
+    pub fn next_token(&self) -> u64 {
+        self.entry()
+            .counters
+            .last_token
+            .fetch_add(1, Ordering::Relaxed)
+            + 1
+    }
+
+    /// Live leases of this cap.
+    pub fn lease_count(&self) -> u32 {
+        self.entry().counters.leases.load(Ordering::Acquire)
+    }
+
+    /// Whether a lease of this cap may have expired by `now`.
+    pub fn lease_due(&self, now: i64) -> bool {
+        self.lease_count() > 0 && self.entry().counters.lease_due.load(Ordering::Acquire) <= now
+    }
+
+    /// Records a lease on `slot`, whose bit the caller has claimed; false when every lease
+    /// record is in use.
+    pub fn start_lease(&self, slot: u32, token: u64, now: i64, expires_at: i64) -> bool {
+        let Some(seg) = segment() else { return false };
+        // SAFETY: this process's pid, set at start.
+        let pid = unsafe { pg_sys::MyProcPid };
+        let len = seg.leases.len();
+        let from = pid.unsigned_abs() as usize % len.max(1);
+        let Some(i) = (from..len)
+            .chain(0..from)
+            .find(|&i| seg.leases[i].state.claim())
+        else {
+            return false;
+        };
+        let r = &seg.leases[i];
+        let counters = &self.entry().counters;
+        r.entry.store(self.at.entry, Ordering::Relaxed);
+        r.generation.store(self.at.generation, Ordering::Relaxed);
+        r.slot.store(slot, Ordering::Relaxed);
+        r.pid.store(pid, Ordering::Relaxed);
+        r.token.store(token, Ordering::Relaxed);
+        r.acquired_at.store(now, Ordering::Relaxed);
+        r.expires_at.store(expires_at, Ordering::Relaxed);
+        counters.leases.fetch_add(1, Ordering::AcqRel);
+        r.state.publish();
+        self.record(slot).set(lease::marker(i), now);
+        // Last: see "Expiry bound".
+        counters.lease_due.fetch_min(expires_at, Ordering::SeqCst);
+        true
+    }
+
+    /// The lease record of `slot`, if the slot is leased.
+    fn lease_record(&self, slot: u32) -> Option<&'static LeaseRecord> {
+        if slot >= self.capacity() {
+            return None;
+        }
+        let i = lease::record_of(self.record(slot).get().0)?;
+        segment()?.leases.get(i)
+    }
+
+    /// Runs `f` on the live lease of `slot` with its record locked (BUSY); `f` must publish or
+    /// free it. None if the slot has no live lease.
+    fn with_lease<R>(&self, slot: u32, f: impl FnOnce(&LeaseRecord) -> R) -> Option<R> {
+        let r = self.lease_record(slot)?;
+        if !r.state.lock() {
+            return None;
+        }
+        if !r.is_of(self.at, slot) {
+            r.state.publish();
+            return None;
+        }
+        Some(f(r))
+    }
+
+    /// Frees the lease in `r` (locked by the caller): the slot record, the bit, the record;
+    /// wakes the waiters the slot may serve.
+    fn end_lease(&self, r: &LeaseRecord) -> LeaseInfo {
+        let info = r.info();
+        self.record(info.slot).clear();
+        occupancy::clear(self.bits(), info.slot);
+        self.entry().counters.leases.fetch_sub(1, Ordering::AcqRel);
+        r.state.free();
+        self.wake_front();
+        info
+    }
+
+    /// Checks `token` against the lease of `slot` at `now`: a live one is extended to
+    /// `extend_to` (with Some) or ended (with None); an expired one is ended as expired.
+    pub fn settle_lease(
+        &self,
+        slot: u32,
+        token: u64,
+        now: i64,
+        extend_to: Option<i64>,
+    ) -> LeaseCheck {
+        self.with_lease(slot, |r| {
+            let info = r.info();
+            if info.token != token {
+                r.state.publish();
+                return LeaseCheck::Other(info);
+            }
+            if info.expires_at <= now {
+                return LeaseCheck::Expired(self.end_lease(r));
+            }
+            match extend_to {
+                Some(t) => {
+                    r.expires_at.store(t, Ordering::Relaxed);
+                    self.entry()
+                        .counters
+                        .lease_due
+                        .fetch_min(t, Ordering::SeqCst);
+                    r.state.publish();
+                    LeaseCheck::Live(info)
+                }
+                None => LeaseCheck::Live(self.end_lease(r)),
+            }
+        })
+        .unwrap_or(LeaseCheck::None)
+    }
+
+    /// The live lease of `slot`, if any (a copy; for reporting).
+    pub fn lease_of(&self, slot: u32) -> Option<LeaseInfo> {
+        self.with_lease(slot, |r| {
+            let info = r.info();
+            r.state.publish();
+            info
+        })
+    }
+
+    /// Live leases of this cap (for the holders view).
+    pub fn leases(&self) -> Vec<LeaseInfo> {
+        if self.lease_count() == 0 {
+            return Vec::new();
+        }
+        (0..self.capacity())
+            .filter_map(|slot| self.lease_of(slot))
+            .collect()
+    }
+
+    /// Ends every lease of this cap that expired by `now`; returns them (for the caller to
+    /// count and log) and sets `lease_due` to the next expiry (see "Expiry bound").
+    pub fn expire_leases(&self, now: i64) -> Vec<LeaseInfo> {
+        let due = &self.entry().counters.lease_due;
+        due.swap(i64::MAX, Ordering::SeqCst);
+        let mut expired = Vec::new();
+        for slot in 0..self.capacity() {
+            let got = self.with_lease(slot, |r| {
+                let expires_at = r.expires_at.load(Ordering::Relaxed);
+                if expires_at <= now {
+                    Some(self.end_lease(r))
+                } else {
+                    due.fetch_min(expires_at, Ordering::SeqCst);
+                    r.state.publish();
+                    None
+                }
+            });
+            if let Some(Some(info)) = got {
+                expired.push(info);
+            }
+        }
+        expired
+    }
+}
+
+/// The background worker's round: frees lease records whose cap is gone (reclaimed with its
+/// dropped database), and returns the caps with a lease due by `now`.
+pub fn caps_with_leases_due(now: i64) -> Vec<CapRef> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut due: Vec<CapRef> = Vec::new();
+    for r in seg.leases {
+        if !r.state.is_live() {
+            continue;
+        }
+        let cap = r.cap();
+        if due.contains(&cap) {
+            continue; // one look per cap
+        }
+        match pin(cap) {
+            Some(c) => {
+                if c.lease_due(now) {
+                    due.push(cap);
+                }
+            }
+            None => {
+                // A live lease keeps its slot's bit set, so its cap is not reclaimed: the record
+                // was ended (and maybe reused) since it was read. Look again with it locked,
+                // and free it only if its cap is truly gone (defensive: nothing else could).
+                if r.state.lock() {
+                    if pin(r.cap()).is_none() {
+                        r.state.free();
+                    } else {
+                        r.state.publish();
+                    }
+                }
+            }
+        }
+    }
+    due
+}

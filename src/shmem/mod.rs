@@ -1,0 +1,65 @@
+//! Shared memory: every database's caps, their slots and their counters, one file per concern.
+//! Each file opens with the protocol it keeps (which lock or atomic guards what); the design as
+//! a whole is in `docs/design.md`.
+//!
+//! - `segment`: the segment's layout, the request and startup hooks, attaching, the LWLocks;
+//! - `entry`: a cap's entry (`#[repr(C)]`, its size asserted) and its slots' holder records;
+//! - `pin`: pinning an entry (hazard slots, counted pins) and the pinned handle [`Cap`];
+//! - `caps`: finding, creating, growing and reclaiming caps;
+//! - `counters`: the hot counters and the flush seqlock over a cap's bookkeeping;
+//! - `waitq`: a cap's queue of waiters;
+//! - `leases`: slots held by a token, and fencing tokens;
+//! - `load`: load averages, sampled by the launcher;
+//! - `persist`: pending counts across a clean restart;
+//! - `launcher`: waking the background launcher, flush ids.
+//!
+//! Outside this folder, shared memory is reached only through a pinned [`Cap`] and the
+//! functions re-exported here.
+
+mod caps;
+mod counters;
+mod entry;
+mod launcher;
+mod leases;
+mod load;
+mod persist;
+mod pin;
+mod segment;
+mod waitq;
+
+pub use caps::{
+    cap_key, cap_refs, caps, create, databases, databases_with_pending, grow, lookup,
+    reclaim_database, usage, CapError,
+};
+pub use counters::Flushed;
+pub use launcher::{launcher_wakeup, next_flush_id};
+pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo};
+pub use load::{load_of, sample_load, Load};
+pub use pin::pin;
+pub use segment::{attached, init};
+pub use stage_e_core::counters::Counter;
+pub use stage_e_core::state::CapRef;
+pub use waitq::{dequeue, waiters_of, Ticket, WaiterInfo};
+
+use entry::CapEntry;
+use std::sync::atomic::AtomicU64;
+
+/// A pinned cap: while it lives, its entry keeps its identity and its slot block (`pin`). Its
+/// methods are in the file of their concern. (Defined here, so that its methods' names are
+/// `stage_e_slots::shmem::Cap::…` wherever they are: a debugger breaks on them by that name.)
+pub struct Cap {
+    entry: &'static CapEntry,
+    /// The cap this handle pins (entry and generation).
+    pub at: CapRef,
+    /// This backend's hazard slot when the pin is published there; None for a counted pin.
+    hazard: Option<&'static AtomicU64>,
+}
+
+impl Drop for Cap {
+    fn drop(&mut self) {
+        match self.hazard {
+            Some(h) => stage_e_core::state::unpin_hazard(h),
+            None => self.entry.state.unpin_counted(),
+        }
+    }
+}

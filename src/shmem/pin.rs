@@ -1,0 +1,101 @@
+//! Pinning a cap's entry, and the pinned handle through which the rest of the extension reaches
+//! shared memory.
+//!
+//! While a [`Cap`] lives, its entry keeps its identity and its slot block: a reclaim or a grow
+//! waits for (or gives up on) pinned entries. The protocol is `stage_e_core::state`'s: a pin is
+//! published in this backend's own hazard slot (one per PGPROC, each on its own cache line: a
+//! SeqCst store and a load, nothing shared written), or counted in the entry's state word when
+//! the hazard slot is taken (a backend holding several pins, as `caps` does) or the process has
+//! none.
+
+use super::entry::{CapEntry, SlotRecord};
+use super::segment::{self, segment};
+use super::Cap;
+use pgrx::pg_sys;
+use stage_e_core::state::CapRef;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One backend's hazard slot, alone on its cache line: each backend writes its own twice per
+/// call, and must not slow its neighbours down doing so.
+#[repr(C, align(64))]
+pub(super) struct HazardSlot(pub(super) AtomicU64);
+
+/// The entry is being grown (quick) or reclaimed (then the generation changes): wait a little.
+fn nap() {
+    segment::nap(50);
+}
+
+/// This process's hazard slot: one per PGPROC, so each backend has its own.
+fn my_hazard() -> Option<&'static AtomicU64> {
+    let seg = segment()?;
+    #[cfg(feature = "pg15")]
+    // SAFETY: MyProc is this process's PGPROC, set at start-up (null in the postmaster).
+    let procno = unsafe { pg_sys::MyProc.as_ref().map(|p| p.pgprocno as usize) };
+    #[cfg(feature = "pg18")]
+    // SAFETY: MyProcNumber is set at start-up (-1 without a PGPROC).
+    let procno = usize::try_from(unsafe { pg_sys::MyProcNumber }).ok();
+    seg.hazards.get(procno?).map(|h| &h.0)
+}
+
+impl CapEntry {
+    /// Pins the entry if it still holds `cap`: in this backend's hazard slot when it is free
+    /// (the hot path), else by counting.
+    pub(super) fn pin(&'static self, cap: CapRef) -> Option<Cap> {
+        let Some(hazard) = my_hazard().filter(|h| h.load(Ordering::Relaxed) == 0) else {
+            return self.pin_counted(cap);
+        };
+        self.state.pin_hazard(hazard, cap, nap).then_some(Cap {
+            entry: self,
+            at: cap,
+            hazard: Some(hazard),
+        })
+    }
+
+    /// Pins the entry by counting in its state word (several pins at once).
+    pub(super) fn pin_counted(&'static self, cap: CapRef) -> Option<Cap> {
+        self.state.pin_counted(cap.generation, nap).then_some(Cap {
+            entry: self,
+            at: cap,
+            hazard: None,
+        })
+    }
+}
+
+/// Pins cap `cap` (a reference cached by this backend); None if it was reclaimed since.
+pub fn pin(cap: CapRef) -> Option<Cap> {
+    segment()?.entry(cap.entry).pin(cap)
+}
+
+impl Cap {
+    pub(super) fn entry(&self) -> &'static CapEntry {
+        self.entry
+    }
+
+    pub fn key(&self) -> i32 {
+        self.entry.key()
+    }
+
+    pub fn database(&self) -> u32 {
+        self.entry.database()
+    }
+
+    pub fn name(&self) -> String {
+        self.entry.name()
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.entry.capacity()
+    }
+
+    /// The occupancy bitmap of the cap's slots.
+    pub fn bits(&self) -> &'static [AtomicU64] {
+        let seg = segment().expect("a pinned cap implies the segment");
+        seg.block(self.entry).1
+    }
+
+    /// The holder record of `slot` (below [`Cap::capacity`]).
+    pub fn record(&self, slot: u32) -> &'static SlotRecord {
+        let seg = segment().expect("a pinned cap implies the segment");
+        &seg.block(self.entry).0[slot as usize]
+    }
+}

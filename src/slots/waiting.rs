@@ -1,0 +1,132 @@
+//! Waiting for slots: the policy (who waits, when a waiter looks, what ends a wait) and this
+//! backend's sleep. The queue itself is `shmem::waitq`.
+//!
+//! A call that waits joins its cap's queue and sleeps on its own latch, set by a release of its
+//! cap while it is at the front of the queue and covered by the free slots, and wakes at least
+//! every [`RECHECK`] to look again: the only wake-up the extension cannot send is for a slot
+//! freed by a raw `pg_advisory_unlock`. Each wake-up first frees the cap's expired leases.
+//! Interrupts are answered as everywhere in Postgres: `CHECK_FOR_INTERRUPTS` after each sleep
+//! raises the ERROR of a cancel or `statement_timeout` (the queue guard then leaves the queue
+//! while the ERROR unwinds) or exits for `pg_terminate_backend` (the exit hook leaves it), and
+//! the client's socket is checked each time, so a client that went away ends the wait too.
+
+use super::{Kind, SlotError, Taken};
+use crate::ffi;
+use crate::session::{self, BackendLocal};
+use crate::shmem::{self, Cap, CapRef, Counter, Ticket};
+use pgrx::pg_sys;
+use std::cell::Cell;
+use std::time::Duration;
+
+/// How long a waiter sleeps at most before looking again by itself.
+pub const RECHECK: Duration = Duration::from_millis(100);
+
+static WAIT_EVENT: BackendLocal<Cell<u32>> = BackendLocal::new(Cell::new(0));
+
+/// The wait event a waiter shows: `Extension`, named `StageESlotWait` on PostgreSQL 17+.
+fn wait_event() -> u32 {
+    let cached = WAIT_EVENT.get();
+    if cached != 0 {
+        return cached;
+    }
+    #[cfg(feature = "pg18")]
+    // SAFETY: registers (or finds) the name in shared memory; called in a backend.
+    let event = unsafe { pg_sys::WaitEventExtensionNew(c"StageESlotWait".as_ptr()) };
+    #[cfg(not(feature = "pg18"))]
+    let event = pg_sys::PG_WAIT_EXTENSION;
+    WAIT_EVENT.set(event);
+    event
+}
+
+/// Clears this backend's latch, before looking at the queue (so a wake-up set after the look
+/// ends the next sleep at once).
+pub fn reset_latch() {
+    // SAFETY: MyLatch is this backend's own latch.
+    unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
+}
+
+/// Sleeps until the latch is set or `timeout` passes, then answers interrupts and checks that
+/// the client is still there.
+pub fn sleep(timeout: Duration) {
+    let ms = timeout.as_millis().clamp(1, RECHECK.as_millis()) as std::ffi::c_long;
+    let events = (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32;
+    // SAFETY: WaitLatch on our own latch; it may exit the process on postmaster death, which
+    // runs the exit hook. An ERROR inside arrives as a Rust panic and unwinds the caller's guard.
+    unsafe { pg_sys::WaitLatch(pg_sys::MyLatch, events, ms, wait_event()) };
+    // SAFETY: the poll runs only with a client connection. A client that went away is reported
+    // the way client_connection_check_interval does, by CHECK_FOR_INTERRUPTS below (FATAL:
+    // connection to client lost).
+    unsafe {
+        if !pg_sys::MyProcPort.is_null() && !ffi::client_connected() {
+            pg_sys::ClientConnectionLost = 1;
+            pg_sys::InterruptPending = 1;
+        }
+    }
+    pgrx::check_for_interrupts!();
+}
+/// Queues for `k` slots of `cap` until they are had or `deadline` passes.
+pub(super) fn wait_in_line(
+    cap: Cap,
+    n: u32,
+    k: u32,
+    deadline: Option<std::time::Instant>,
+    kind: Kind,
+) -> Result<Option<Taken>, SlotError> {
+    let started = session::now();
+    let counters = cap.counters();
+    counters.bump(Counter::Waits, 1);
+    let ticket = cap
+        .enqueue(n, k, started)
+        .ok_or(SlotError::NoWaiterRecord)?;
+    let place = cap.at;
+    drop(cap); // a waiter holds no pin while it sleeps (its cap is not reclaimed meanwhile)
+               // Leaves the queue however this ends: returning, an ERROR unwinding, or (through the exit
+               // hook) the process exiting.
+    let queued = Queued::new(place, ticket);
+    let waited = || (session::now() - started).max(0) as u64;
+    loop {
+        reset_latch();
+        let cap = shmem::pin(place).expect("a cap with waiters is never reclaimed");
+        super::expire_due(&cap); // wakes the waiters that the freed slots serve, us included
+        if cap.may_take(ticket) {
+            if let Some(got) = super::take(&cap, n, k, session::now(), kind)? {
+                drop(queued); // moves the front up, and wakes whom the free slots cover
+                counters.bump(Counter::Acquired, k as u64);
+                counters.bump(Counter::WaitTime, waited());
+                return Ok(Some(got));
+            }
+        }
+        drop(cap);
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        if left.is_some_and(|l| l.is_zero()) {
+            drop(queued);
+            counters.bump(Counter::WaitTimeouts, 1);
+            counters.bump(Counter::Throttled, 1);
+            counters.bump(Counter::WaitTime, waited());
+            return Ok(None);
+        }
+        sleep(left.unwrap_or(RECHECK).min(RECHECK));
+    }
+}
+
+/// This backend's place in a cap's queue while it waits: leaving the scope (a return, or an
+/// ERROR unwinding) leaves the queue; a process exit leaves it through the exit hook.
+struct Queued {
+    place: (CapRef, Ticket),
+}
+
+impl Queued {
+    fn new(cap: CapRef, ticket: Ticket) -> Self {
+        session::set_waiting(Some((cap, ticket)));
+        Queued {
+            place: (cap, ticket),
+        }
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        session::set_waiting(None);
+        shmem::dequeue(self.place.0, self.place.1);
+    }
+}
