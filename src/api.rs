@@ -1,9 +1,11 @@
-//! The SQL surface of 0.4.0: each function translates arguments, calls `slots` or `flush`, and
+//! The SQL surface of 0.5.0: each function translates arguments, calls `slots` or `flush`, and
 //! maps errors (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are
 //! refused in parallel workers). Arguments are `Option` so a NULL reaches us and becomes a
 //! class-22 ERROR rather than a silent NULL from a STRICT function. The one-argument forms are
-//! the cap `default`. Tables and views are in `sql/schema/`; the 0.1.0 functions whose shape
-//! changed keep their C symbols in `compat`.
+//! the cap `default`. No two functions of one name take the same number of arguments, so a call
+//! whose parameters are all untyped (as node-postgres and asyncpg send them) resolves to exactly
+//! one (tests/test_overloads.py). Tables and views are in `sql/schema/`; functions of earlier
+//! versions whose shape changed, or that were retired, keep their C symbols in `compat`.
 
 use crate::counters::CounterValues;
 use crate::directory::DEFAULT_CAP;
@@ -82,12 +84,6 @@ fn stage_e_try_slot_wait_cap(
     try_slots(cap, n, Some(1), wait).map(|s| s[0])
 }
 
-/// The same for the cap `default`.
-#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
-fn stage_e_try_slot_wait(n: Option<i32>, wait: Option<Interval>) -> Option<i32> {
-    try_slots(Some(DEFAULT_CAP), n, Some(1), wait).map(|s| s[0])
-}
-
 /// k distinct slots of `[0, n)` of cap `cap`, all or none, waiting up to `wait` for them;
 /// NULL when they could not all be had in time.
 #[pg_extern(volatile, parallel_unsafe)]
@@ -114,7 +110,7 @@ fn to_micros(i: Interval) -> i64 {
     us.clamp(i64::MIN as i128, i64::MAX as i128) as i64
 }
 
-fn try_slots(
+pub fn try_slots(
     cap: Option<&str>,
     n: Option<i32>,
     k: Option<i32>,

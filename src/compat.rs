@@ -8,6 +8,8 @@
 //!   `default` only.
 //! - 0.2.0 (named caps, five counters): stats, flush and pending.
 //! - 0.3.0 (nine counters, no leases): stats, flush, pending, and the holders' function.
+//! - 0.3.0 and 0.4.0: `stage_e_try_slot(n integer, wait interval)`, retired in 0.5.0 (with
+//!   untyped parameters it tied with `stage_e_try_slot(cap text, n integer)`).
 
 use crate::api::{self, FromCounter};
 use crate::counters::CounterValues;
@@ -266,4 +268,15 @@ fn stage_e_slot_holders_internal_v2() -> TableIterator<
             .and_then(|t| TimestampWithTimeZone::try_from(t).ok());
         (h.cap, h.slot as i32, h.pid, at)
     }))
+}
+
+// -- 0.3.0 and 0.4.0: the cap-less waiting form, retired in 0.5.0 ------------------------------
+
+/// `stage_e_try_slot(n integer, wait interval)`: a slot of the cap `default`, waiting up to
+/// `wait`. 0.5.0 drops it (`stage_e_try_slot('default', n, wait)` replaces it): with two untyped
+/// parameters it and `stage_e_try_slot(cap text, n integer)` were equally good candidates. Its
+/// symbol (`stage_e_try_slot_wait_wrapper`) stays for databases not yet updated.
+#[pg_extern(sql = false)]
+fn stage_e_try_slot_wait(n: Option<i32>, wait: Option<Interval>) -> Option<i32> {
+    api::try_slots(Some(DEFAULT_CAP), n, Some(1), wait).map(|s| s[0])
 }
