@@ -267,3 +267,18 @@ def test_on_a_0_4_0_database_untyped_drivers_hit_the_ambiguity(dc, driver, reque
             assert prog.until("holding") == ["take exports 1: 0"]
     finally:
         prog.kill()
+
+
+def test_the_readme_shows_the_lines_the_programs_run():
+    """Each line of README's "From your language" blocks is a line of its program here."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## From your language\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    programs = ["node/quickstart.js", "asyncpg_quickstart.py", "psycopg3_quickstart.py",
+                "psycopg2_quickstart.py", "quickstart.rb", "go/quickstart.go", "Quickstart.java"]
+    assert [lang for lang, _ in blocks] == ["js", "python", "python", "python", "ruby", "go",
+                                            "java"]
+    for (_, block), program in zip(blocks, programs):
+        source = {line.strip() for line in (DRIVERS_DIR / program).read_text().splitlines()}
+        missing = [line for line in block.splitlines() if line.strip() not in source]
+        assert not missing, (program, missing)

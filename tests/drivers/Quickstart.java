@@ -80,7 +80,12 @@ public class Quickstart {
         Connection b = connect("drv-b");
 
         // Take a slot of a named cap.
-        Integer slot = (Integer) value(a, "SELECT stage_e_try_slot(?, ?)", "exports", 1);
+        PreparedStatement take = a.prepareStatement("SELECT stage_e_try_slot(?, ?)");
+        take.setString(1, "exports");
+        take.setInt(2, 1);
+        ResultSet taken = take.executeQuery();
+        taken.next();
+        Integer slot = (Integer) taken.getObject(1); // null: throttled
         System.out.println("take exports 1: " + show(slot));
         pause("holding");
         System.out.println("second connection take exports 1: "
@@ -88,8 +93,12 @@ public class Quickstart {
         System.out.println("second connection wait 50 ms: "
                 + show(value(b, "SELECT stage_e_try_slot(?, ?, ?)", "exports", 1, seconds(0.05))));
         // Release it.
-        System.out.println("release exports " + slot + ": "
-                + show(value(a, "SELECT stage_e_release(?, ?)", "exports", slot)));
+        PreparedStatement release = a.prepareStatement("SELECT stage_e_release(?, ?)");
+        release.setString(1, "exports");
+        release.setInt(2, slot);
+        ResultSet released = release.executeQuery();
+        released.next();
+        System.out.println("release exports " + slot + ": " + released.getBoolean(1));
         pause("released");
         Integer waited = (Integer) value(b, "SELECT stage_e_try_slot(?, ?, ?)", "exports", 1, seconds(10));
         System.out.println("wait up to 10 s: " + show(waited));
@@ -102,26 +111,27 @@ public class Quickstart {
         System.out.println("release_all batch: " + show(value(a, "SELECT stage_e_release_all(?)", "batch")));
 
         // A lease: held by its token, so any connection renews and releases it.
-        int leaseSlot;
-        long token;
-        try (PreparedStatement ps = a.prepareStatement("SELECT slot, token FROM stage_e_lease(?, ?, ?)")) {
-            ps.setString(1, "jobs");
-            ps.setInt(2, 2);
-            ps.setObject(3, seconds(30));
-            try (ResultSet rs = ps.executeQuery()) {
-                rs.next();
-                leaseSlot = rs.getInt("slot");
-                token = rs.getLong("token");
-            }
-        }
+        PreparedStatement lease = a.prepareStatement("SELECT slot, token FROM stage_e_lease(?, ?, ?)");
+        lease.setString(1, "jobs");
+        lease.setInt(2, 2);
+        lease.setObject(3, new PGInterval(0, 0, 0, 0, 0, 30));
+        ResultSet leased = lease.executeQuery();
+        leased.next();
+        int leaseSlot = leased.getInt("slot");
+        long token = leased.getLong("token");
         System.out.println("lease jobs 2 for 30 s: slot " + leaseSlot + " token " + token);
         pause("leased");
         System.out.println("renew for 60 s: " + show(value(b, "SELECT stage_e_renew(?, ?, ?, ?)",
                 "jobs", leaseSlot, token, seconds(60))));
         pause("renewed");
+        PreparedStatement free = b.prepareStatement("SELECT stage_e_release_lease(?, ?, ?)");
+        free.setString(1, "jobs");
+        free.setInt(2, leaseSlot);
+        free.setLong(3, token);
         for (String what : new String[] {"release_lease", "release_lease again"}) {
-            System.out.println(what + ": " + show(value(b, "SELECT stage_e_release_lease(?, ?, ?)",
-                    "jobs", leaseSlot, token)));
+            ResultSet freed = free.executeQuery();
+            freed.next();
+            System.out.println(what + ": " + freed.getBoolean(1));
         }
 
         try (PreparedStatement ps = a.prepareStatement("SELECT cap, held, acquired, throttled, released, "

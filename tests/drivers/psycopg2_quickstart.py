@@ -35,7 +35,9 @@ def main():
     a.autocommit = b.autocommit = True  # a slot outlives transactions; no idle-in-transaction
 
     # Take a slot of a named cap.
-    slot = value(a, "SELECT stage_e_try_slot(%s, %s)", ("exports", 1))
+    with a.cursor() as cur:
+        cur.execute("SELECT stage_e_try_slot(%s, %s)", ("exports", 1))
+        slot = cur.fetchone()[0]
     print(f"take exports 1: {show(slot)}", flush=True)
     pause("holding")
     print("second connection take exports 1: "
@@ -43,7 +45,9 @@ def main():
     print("second connection wait 50 ms: "
           + show(value(b, "SELECT stage_e_try_slot(%s, %s, %s)", ("exports", 1, "50 ms"))))
     # Release it.
-    done = value(a, "SELECT stage_e_release(%s, %s)", ("exports", slot))
+    with a.cursor() as cur:
+        cur.execute("SELECT stage_e_release(%s, %s)", ("exports", slot))
+        done = cur.fetchone()[0]
     print(f"release exports {slot}: {show(done)}", flush=True)
     pause("released")
     waited = value(b, "SELECT stage_e_try_slot(%s, %s, %s)", ("exports", 1, "10 s"))
@@ -66,7 +70,9 @@ def main():
     print(f"renew for 60 s: {show(ok)}", flush=True)
     pause("renewed")
     for what in ("release_lease", "release_lease again"):
-        ok = value(b, "SELECT stage_e_release_lease(%s, %s, %s)", ("jobs", lease_slot, token))
+        with b.cursor() as cur:
+            cur.execute("SELECT stage_e_release_lease(%s, %s, %s)", ("jobs", lease_slot, token))
+            ok = cur.fetchone()[0]
         print(f"{what}: {show(ok)}")
 
     with a.cursor() as cur:

@@ -33,7 +33,7 @@ def main():
     b = psycopg.connect(application_name="drv-b", autocommit=True)
 
     # Take a slot of a named cap.
-    slot = value(a, "SELECT stage_e_try_slot(%s, %s)", ("exports", 1))
+    slot = a.execute("SELECT stage_e_try_slot(%s, %s)", ("exports", 1)).fetchone()[0]
     print(f"take exports 1: {show(slot)}", flush=True)
     pause("holding")
     print("second connection take exports 1: "
@@ -41,7 +41,7 @@ def main():
     print("second connection wait 50 ms: " + show(value(
         b, "SELECT stage_e_try_slot(%s, %s, %s)", ("exports", 1, timedelta(milliseconds=50)))))
     # Release it.
-    done = value(a, "SELECT stage_e_release(%s, %s)", ("exports", slot))
+    done = a.execute("SELECT stage_e_release(%s, %s)", ("exports", slot)).fetchone()[0]
     print(f"release exports {slot}: {show(done)}", flush=True)
     pause("released")
     waited = value(b, "SELECT stage_e_try_slot(%s, %s, %s)",
@@ -65,7 +65,8 @@ def main():
     print(f"renew for 60 s: {show(ok)}", flush=True)
     pause("renewed")
     for what in ("release_lease", "release_lease again"):
-        ok = value(b, "SELECT stage_e_release_lease(%s, %s, %s)", ("jobs", lease_slot, token))
+        ok = b.execute("SELECT stage_e_release_lease(%s, %s, %s)",
+                       ("jobs", lease_slot, token)).fetchone()[0]
         print(f"{what}: {show(ok)}")
 
     for r in a.execute("SELECT cap, held, acquired, throttled, released, foreign_releases, "

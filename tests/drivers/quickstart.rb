@@ -33,13 +33,14 @@ begin
   b = connect('drv-b')
 
   # Take a slot of a named cap.
-  slot = value(a, 'SELECT stage_e_try_slot($1, $2)', ['exports', 1])
+  slot = a.exec_params('SELECT stage_e_try_slot($1, $2)', ['exports', 1]).getvalue(0, 0)
   puts "take exports 1: #{show(slot)}"
   pause('holding')
   puts "second connection take exports 1: #{show(value(b, 'SELECT stage_e_try_slot($1, $2)', ['exports', 1]))}"
   puts "second connection wait 50 ms: #{show(value(b, 'SELECT stage_e_try_slot($1, $2, $3)', ['exports', 1, '50 ms']))}"
   # Release it.
-  puts "release exports #{slot}: #{show(value(a, 'SELECT stage_e_release($1, $2)', ['exports', slot]))}"
+  done = a.exec_params('SELECT stage_e_release($1, $2)', ['exports', slot]).getvalue(0, 0)
+  puts "release exports #{slot}: #{show(done)}"
   pause('released')
   waited = value(b, 'SELECT stage_e_try_slot($1, $2, $3)', ['exports', 1, '10 s'])
   puts "wait up to 10 s: #{show(waited)}"
@@ -57,7 +58,8 @@ begin
   puts "renew for 60 s: #{show(value(b, 'SELECT stage_e_renew($1, $2, $3, $4)', ['jobs', lease['slot'], lease['token'], '60 s']))}"
   pause('renewed')
   ['release_lease', 'release_lease again'].each do |what|
-    puts "#{what}: #{show(value(b, 'SELECT stage_e_release_lease($1, $2, $3)', ['jobs', lease['slot'], lease['token']]))}"
+    ok = b.exec_params('SELECT stage_e_release_lease($1, $2, $3)', ['jobs', lease['slot'], lease['token']]).getvalue(0, 0)
+    puts "#{what}: #{show(ok)}"
   end
 
   a.exec('SELECT cap, held, acquired, throttled, released, foreign_releases, waits, ' \

@@ -19,13 +19,14 @@ async function main() {
   await b.connect();
 
   // Take a slot of a named cap.
-  const slot = await value(a, 'SELECT stage_e_try_slot($1, $2)', ['exports', 1]);
+  const slot = (await a.query('SELECT stage_e_try_slot($1, $2)', ['exports', 1])).rows[0].stage_e_try_slot;
   console.log(`take exports 1: ${show(slot)}`);
   await pause('holding');
   console.log(`second connection take exports 1: ${show(await value(b, 'SELECT stage_e_try_slot($1, $2)', ['exports', 1]))}`);
   console.log(`second connection wait 50 ms: ${show(await value(b, 'SELECT stage_e_try_slot($1, $2, $3)', ['exports', 1, '50 ms']))}`);
   // Release it.
-  console.log(`release exports ${slot}: ${show(await value(a, 'SELECT stage_e_release($1, $2)', ['exports', slot]))}`);
+  const released = (await a.query('SELECT stage_e_release($1, $2)', ['exports', slot])).rows[0].stage_e_release;
+  console.log(`release exports ${slot}: ${show(released)}`);
   await pause('released');
   const waited = await value(b, 'SELECT stage_e_try_slot($1, $2, $3)', ['exports', 1, '10 s']);
   console.log(`wait up to 10 s: ${show(waited)}`);
@@ -42,8 +43,10 @@ async function main() {
   await pause('leased');
   console.log(`renew for 60 s: ${show(await value(b, 'SELECT stage_e_renew($1, $2, $3, $4)', ['jobs', lease.slot, lease.token, '60 s']))}`);
   await pause('renewed');
-  console.log(`release_lease: ${show(await value(b, 'SELECT stage_e_release_lease($1, $2, $3)', ['jobs', lease.slot, lease.token]))}`);
-  console.log(`release_lease again: ${show(await value(b, 'SELECT stage_e_release_lease($1, $2, $3)', ['jobs', lease.slot, lease.token]))}`);
+  for (const what of ['release_lease', 'release_lease again']) {
+    const freed = (await b.query('SELECT stage_e_release_lease($1, $2, $3)', ['jobs', lease.slot, lease.token])).rows[0].stage_e_release_lease;
+    console.log(`${what}: ${show(freed)}`);
+  }
 
   const stats = await a.query(
     'SELECT cap, held, acquired, throttled, released, foreign_releases, waits, wait_timeouts, expired ' +
