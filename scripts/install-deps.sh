@@ -2,8 +2,12 @@
 # Installs what building, testing and demonstrating stage_e_slots needs, skipping what is there:
 # Debian packages (PostgreSQL 15 and its headers, clang for bindgen, sudo for pgrx's --runas,
 # pgbouncer for the pooler tests, gdb to pause a worker in one lease test), cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major
-# in use, and a Python venv with psycopg, pytest, matplotlib, Django and django-q2. As a
-# non-root user it only lists what is missing. Usage: install-deps.sh [MAJOR [PG_CONFIG]]
+# in use, and a Python venv with psycopg, pytest, matplotlib, Django and django-q2. Where the
+# driver matrix runs (tests/test_drivers.py: PostgreSQL 15, or STAGE_E_DRIVER_TESTS=1), also the
+# drivers: Debian's ruby-pg, Go with pgx v4 (Debian's packaged Go modules: the Go module proxy
+# is not used), a JDK and the PostgreSQL JDBC driver, npm when there is none, node-postgres
+# from npm into tests/drivers/node, and asyncpg and psycopg2 in the venv. As a non-root user
+# it only lists what is missing. Usage: install-deps.sh [MAJOR [PG_CONFIG]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +16,13 @@ PG15_CONFIG=/usr/lib/postgresql/15/bin/pg_config
 PG_CONFIG=${2:-$PG15_CONFIG}
 PGRX_VERSION=0.18.1
 PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3-venv pgbouncer gdb)
+# The driver matrix runs on one major (the CI time budget): 15, unless STAGE_E_DRIVER_TESTS=1.
+DRIVERS=0
+if [ "$MAJOR" = 15 ] || [ "${STAGE_E_DRIVER_TESTS:-}" = 1 ]; then
+  DRIVERS=1
+  PACKAGES+=(ruby-pg golang-go golang-github-jackc-pgx-v4-dev default-jdk-headless
+             libpostgresql-jdbc-java npm)
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -20,6 +31,10 @@ done
 # python3-venv is only needed when this python3 cannot make a venv by itself.
 if python3 -c 'import venv, ensurepip' 2>/dev/null; then
   missing=("${missing[@]/python3-venv}")
+fi
+# npm only when there is none (a Node.js from elsewhere brings its own and conflicts with it).
+if command -v npm >/dev/null 2>&1; then
+  missing=("${missing[@]/npm}")
 fi
 read -r -a missing <<<"${missing[*]}"
 
@@ -57,8 +72,15 @@ if ! grep -qs "pg$MAJOR = \"$PG_CONFIG\"" "$config"; then
   cargo pgrx init "${args[@]}" >/dev/null
 fi
 
-if [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -c 'import psycopg, pytest, matplotlib, django, django_q' 2>/dev/null; then
-  echo "==> python venv (.venv) with psycopg, pytest, matplotlib, Django and django-q2"
+if [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -c 'import psycopg, pytest, matplotlib, django, django_q, asyncpg, psycopg2' 2>/dev/null; then
+  echo "==> python venv (.venv) with psycopg, pytest, matplotlib, Django, django-q2, asyncpg and psycopg2"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
+fi
+
+# node-postgres, at the version tests/drivers/node/package-lock.json pins.
+node_pg=tests/drivers/node/node_modules/pg/package.json
+if [ "$DRIVERS" = 1 ] && ! grep -qs '"version": "8.23.1"' "$node_pg"; then
+  echo "==> npm ci in tests/drivers/node (node-postgres)"
+  (cd tests/drivers/node && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
 fi

@@ -19,8 +19,11 @@
 //! |                                  | `stage_e_pending_v2`                 | 0.2.0        |
 //! |                                  | `stage_e_pending_v3`                 | 0.3.0        |
 //! | `stage_e_snapshot()`             | `stage_e_snapshot`                   | 0.1.0        |
+//! | `stage_e_try_slot(int, interval)`| `stage_e_try_slot_wait`              | 0.3.0, 0.4.0 |
 //!
-//! The 0.1.0 functions answer for the cap `default` only (0.1.0 had one anonymous cap).
+//! The 0.1.0 functions answer for the cap `default` only (0.1.0 had one anonymous cap). 0.5.0
+//! retired `stage_e_try_slot(n integer, wait interval)`: with two untyped parameters it tied
+//! with `stage_e_try_slot(cap text, n integer)`.
 
 use crate::api;
 use crate::errors::{raise, raise_flush, raise_internal};
@@ -201,4 +204,14 @@ fn stage_e_slot_holders_internal_v2() -> TableIterator<
             .and_then(|t| TimestampWithTimeZone::try_from(t).ok());
         (h.cap, h.slot as i32, h.pid, at)
     }))
+}
+
+// -- 0.3.0 and 0.4.0: the cap-less waiting form, retired in 0.5.0 ------------------------------
+
+/// `stage_e_try_slot(n integer, wait interval)`: a slot of the cap `default`, waiting up to
+/// `wait`. 0.5.0 drops it (`stage_e_try_slot('default', n, wait)` replaces it); its symbol
+/// (`stage_e_try_slot_wait_wrapper`) stays for databases not yet updated.
+#[pg_extern(sql = false)]
+fn stage_e_try_slot_wait(n: Option<i32>, wait: Option<Interval>) -> Option<i32> {
+    api::slots::try_slots(Some(DEFAULT_CAP), n, Some(1), wait).map(|s| s[0])
 }

@@ -182,8 +182,9 @@ mod tests {
             Some("ss".into())
         );
         assert_eq!(
+            // 0.5.0 retired stage_e_try_slot(n integer, wait interval): 24 since.
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(25)
+            Some(24)
         );
         // stage_e_lease returns its own row type, (slot integer, token bigint).
         assert_eq!(

@@ -70,7 +70,7 @@ def not_preloaded():
     "SELECT * FROM stage_e_flush()", "SELECT stage_e_reset_stats()",
     "SELECT * FROM stage_e_pending()", "SELECT stage_e_snapshot()",
     "SELECT * FROM stage_e_throttle_totals",
-    "SELECT stage_e_try_slot(8, '1 s')", "SELECT stage_e_try_slots('c', 8, 2)",
+    "SELECT stage_e_try_slot('default', 8, '1 s')", "SELECT stage_e_try_slots('c', 8, 2)",
     "SELECT * FROM stage_e_slot_waiters", "SELECT * FROM stage_e_cap_load",
     "SELECT stage_e_cap_key('c')", "SELECT stage_e_lease('c', 8, '1 s')",
     "SELECT stage_e_renew('c', 0, 1, '1 s')", "SELECT stage_e_release_lease('c', 0, 1)",

@@ -162,7 +162,7 @@ READ_AND_WRITE_CALLS = [
     "SELECT * FROM public.stage_e_slot_holders",
     "SELECT * FROM public.stage_e_slot_waiters",
     "SELECT * FROM public.stage_e_cap_load",
-    "SELECT public.stage_e_try_slot(1, '10 ms')",
+    "SELECT public.stage_e_try_slot('default', 1, '10 ms')",
     "SELECT public.stage_e_try_slots('k', 2, 2, '10 ms')",
     "SELECT public.stage_e_holding(0)",
     "SELECT public.stage_e_release(0)",

@@ -1,10 +1,11 @@
-"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, with data and holders, against the 0.2.0
-library; and the updated schema against a fresh install's."""
+"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0 and 0.4.0, with data and
+holders, against the current library; and the updated schema against a fresh install's."""
 
 import tomllib
 from pathlib import Path
 
 import pytest
+from psycopg import errors
 
 from conftest import KEY, one, slot_lock_holders
 from pgcluster import Cluster, wait_for
@@ -291,3 +292,52 @@ def test_a_0_3_0_database_is_served_then_updated_with_its_counts_and_holder(uc):
         assert one(holder, "SELECT stage_e_release_all()") == 1
     uc.create_database("fresh4")
     assert describe(uc, "v030") == describe(uc, "fresh4")
+
+
+def test_a_0_4_0_database_serves_the_retired_wait_form_until_it_is_updated(uc):
+    """0.5.0 retires stage_e_try_slot(n integer, wait interval) (two untyped parameters tied it
+    with (cap, n)); a database still at 0.4.0 keeps calling it through the library's symbol.
+    The update drops it with its data, holders and leases kept."""
+    uc.create_database("v040", extension=False)
+    uc.sql("CREATE EXTENSION stage_e_slots VERSION '0.4.0'", dbname="v040")
+    with uc.connect("v040", "holder") as holder, uc.connect("v040", "other") as other, \
+            uc.connect("v040", "observer") as observer:
+        assert one(observer, "SELECT extversion FROM pg_extension "
+                             "WHERE extname = 'stage_e_slots'") == "0.4.0"
+        # The retired form, served by the 0.5.0 library: a slot of default, a timed-out wait.
+        assert one(holder, "SELECT stage_e_try_slot(1, '20 ms')") == 0
+        assert one(other, "SELECT stage_e_try_slot(1, '20 ms'::interval)") is None
+        assert slot_lock_holders(observer) == [(0, holder.info.backend_pid)]
+        # There, two untyped parameters are still ambiguous.
+        with pytest.raises(errors.AmbiguousFunction):
+            other.execute("SELECT stage_e_try_slot('jobs', '1')")
+        # A lease and counts, flushed and pending, to carry across the update.
+        lease = other.execute("SELECT * FROM stage_e_lease('jobs', 2, '30 s')").fetchone()
+        assert lease[0] == 0
+        observer.execute("SELECT stage_e_flush()")
+        assert one(other, "SELECT stage_e_try_slot(1)") is None  # pending at the update
+        assert observer.execute("SELECT cap, acquired, throttled, waits, wait_timeouts "
+                                "FROM stage_e_throttle_counter ORDER BY cap").fetchall() == [
+            ("default", 1, 1, 1, 1), ("jobs", 1, 0, 0, 0)]
+
+        observer.execute("ALTER EXTENSION stage_e_slots UPDATE")
+        assert one(observer, "SELECT extversion FROM pg_extension "
+                             "WHERE extname = 'stage_e_slots'") == CURRENT
+        # The form is gone; the named form replaces it; the holder and the lease were kept.
+        with pytest.raises(errors.UndefinedFunction):
+            other.execute("SELECT stage_e_try_slot(1, '20 ms'::interval)")
+        assert one(holder, "SELECT stage_e_holding('default', 0)") is True
+        assert one(other, "SELECT stage_e_try_slot('default', 1, '20 ms')") is None
+        assert observer.execute("SELECT cap, slot, token FROM stage_e_slot_holders "
+                                "ORDER BY cap").fetchall() == [
+            ("default", 0, None), ("jobs", 0, lease[1])]
+        # Two untyped parameters now resolve to (cap, n).
+        assert one(other, "SELECT stage_e_try_slot('jobs', '2')") == 1
+        assert observer.execute("SELECT cap, acquired, throttled, waits, wait_timeouts, "
+                                "pending_throttled FROM stage_e_throttle_totals ORDER BY cap"
+                                ).fetchall() == [("default", 1, 3, 2, 2, 2), ("jobs", 2, 0, 0, 0, 0)]
+        assert one(observer, "SELECT stage_e_release_lease('jobs', 0, %s)", (lease[1],)) is True
+        assert one(other, "SELECT stage_e_release_all()") == 1
+        assert one(holder, "SELECT stage_e_release_all()") == 1
+    uc.create_database("fresh5")
+    assert describe(uc, "v040") == describe(uc, "fresh5")

@@ -58,12 +58,12 @@ def test_wait_zero_is_exactly_a_try_and_bad_waits_are_class_22(connect):
     holder, c = connect("holder"), connect()
     assert one(holder, "SELECT stage_e_try_slot('z', 1)") == 0
     assert one(c, "SELECT stage_e_try_slot('z', 1, '0')") is None
-    assert one(c, "SELECT stage_e_try_slot(1, '0')") == 0  # default, free
+    assert one(c, "SELECT stage_e_try_slot('default', 1, '0')") == 0  # free
     s = stats(c, "z")
     assert (s["throttled"], s["waits"], s["wait_timeouts"]) == (1, 0, 0)
     for call, params in [("SELECT stage_e_try_slot('z', 1, %s)", ("-1 s",)),
                          ("SELECT stage_e_try_slot('z', 1, %s)", (None,)),
-                         ("SELECT stage_e_try_slot(1, %s)", ("-1 ms",)),
+                         ("SELECT stage_e_try_slot('default', 1, %s)", ("-1 ms",)),
                          ("SELECT stage_e_try_slots('z', 2, %s)", (3,)),
                          ("SELECT stage_e_try_slots('z', 2, %s)", (0,)),
                          ("SELECT stage_e_try_slots('z', 2, %s)", (None,))]:
@@ -366,14 +366,25 @@ def test_the_load_view_averages_held_slots_and_throttles():
         c.destroy()
 
 
-def test_two_untyped_arguments_are_ambiguous_and_a_type_resolves_them(connect):
-    """stage_e_try_slot(cap, n) and stage_e_try_slot(n, wait) both take two arguments: the
-    README says how to call them unambiguously."""
+def test_two_untyped_arguments_resolve_to_cap_and_n(connect):
+    """Until 0.5.0, stage_e_try_slot(cap, n) and stage_e_try_slot(n, wait) both took two
+    arguments and two untyped ones were ambiguous (42725). With the cap-less waiting form
+    retired, untyped literals and parameters sent without types (node-postgres, asyncpg)
+    resolve to (cap, n); a typed integer still does too."""
     c = connect()
-    with pytest.raises(errors.AmbiguousFunction):
-        c.execute("SELECT stage_e_try_slot('exports', '4')")
-    assert one(c, "SELECT stage_e_try_slot('exports', 4)") == 0
-    assert one(c, "SELECT stage_e_try_slot('exports', '4'::int)") == 1
-    assert one(c, "SELECT stage_e_try_slot(4, '0')") == 0  # (n, wait) of default
+    assert one(c, "SELECT stage_e_try_slot('exports', '4')") == 0
+    assert one(c, "SELECT stage_e_try_slot('exports', 4)") == 1
+    assert one(c, "SELECT stage_e_try_slot('exports', '4'::int)") == 2
+    # Both parameters untyped, as node-postgres sends them (psycopg's text dumper does the same
+    # for strings): the statement's parameters are inferred as (text, integer).
+    c.execute("PREPARE untyped AS SELECT stage_e_try_slot($1, $2)")
+    assert c.execute("SELECT parameter_types::text[] FROM pg_prepared_statements "
+                     "WHERE name = 'untyped'").fetchone() == (["text", "integer"],)
+    assert one(c, "EXECUTE untyped('exports', '4')") == 3
+    assert one(c, "EXECUTE untyped('exports', '4')") is None  # all four held: throttled
+    assert stats(c, "exports")["held"] == 4
+    # The retired (n, wait) form is gone: a typed interval finds no function.
+    with pytest.raises(errors.UndefinedFunction):
+        c.execute("SELECT stage_e_try_slot(4, '0'::interval)")
     # psycopg sends Python ints typed, strings untyped: (unknown, int) resolves.
-    assert one(c, "SELECT stage_e_try_slot(%s, %s)", ("exports", 4)) == 2
+    assert one(c, "SELECT stage_e_try_slot(%s, %s)", ("other", 4)) == 0

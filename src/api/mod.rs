@@ -4,8 +4,10 @@
 //! (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are refused in
 //! parallel workers). Arguments are `Option` so a NULL reaches us and becomes a class-22 ERROR
 //! rather than a silent NULL from a STRICT function. The one-argument forms are the cap
-//! `default`. Every other SQL object is in `sql/schema/`; earlier versions' functions whose shape
-//! changed keep their C symbols in `compat`.
+//! `default`. No two functions of one name take the same number of arguments, so a call whose
+//! parameters are all untyped (as node-postgres and asyncpg send them) resolves to exactly one
+//! (tests/test_overloads.py). Every other SQL object is in `sql/schema/`; functions of earlier
+//! versions whose shape changed, or that were retired, keep their C symbols in `compat`.
 
 use crate::errors::raise;
 use crate::slots::SlotError;
@@ -32,7 +34,7 @@ macro_rules! counter_table_fn {
 }
 
 mod leases;
-mod slots;
+pub(crate) mod slots;
 mod snapshot;
 mod stats;
 

@@ -32,12 +32,6 @@ fn stage_e_try_slot_wait_cap(
     try_slots(cap, n, Some(1), wait).map(|s| s[0])
 }
 
-/// The same for the cap `default`.
-#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
-fn stage_e_try_slot_wait(n: Option<i32>, wait: Option<Interval>) -> Option<i32> {
-    try_slots(Some(DEFAULT_CAP), n, Some(1), wait).map(|s| s[0])
-}
-
 /// k distinct slots of `[0, n)` of cap `cap`, all or none, waiting up to `wait` for them;
 /// NULL when they could not all be had in time.
 #[pg_extern(volatile, parallel_unsafe)]
@@ -50,7 +44,7 @@ fn stage_e_try_slots(
     try_slots(cap, n, k, wait)
 }
 
-fn try_slots(
+pub(crate) fn try_slots(
     cap: Option<&str>,
     n: Option<i32>,
     k: Option<i32>,

@@ -13,17 +13,20 @@ pub enum SchemaVersion {
     V0_3_0,
     /// Leases and fencing tokens: the `expired` counter, holders with token and expiry.
     V0_4_0,
+    /// Every call resolves with untyped parameters: `stage_e_try_slot(n, wait)` retired.
+    V0_5_0,
 }
 
 impl SchemaVersion {
     /// The version of this library's own install script.
-    pub const CURRENT: SchemaVersion = SchemaVersion::V0_4_0;
+    pub const CURRENT: SchemaVersion = SchemaVersion::V0_5_0;
 
-    pub const ALL: [SchemaVersion; 4] = [
+    pub const ALL: [SchemaVersion; 5] = [
         SchemaVersion::V0_1_0,
         SchemaVersion::V0_2_0,
         SchemaVersion::V0_3_0,
         SchemaVersion::V0_4_0,
+        SchemaVersion::V0_5_0,
     ];
 
     /// `pg_extension.extversion` as a version; None for one this library does not know.
@@ -37,6 +40,7 @@ impl SchemaVersion {
             SchemaVersion::V0_2_0 => "0.2.0",
             SchemaVersion::V0_3_0 => "0.3.0",
             SchemaVersion::V0_4_0 => "0.4.0",
+            SchemaVersion::V0_5_0 => "0.5.0",
         }
     }
 
@@ -56,7 +60,7 @@ impl SchemaVersion {
         match self {
             SchemaVersion::V0_1_0 | SchemaVersion::V0_2_0 => crate::counters::COUNT_0_2_0,
             SchemaVersion::V0_3_0 => crate::counters::COUNT_0_3_0,
-            SchemaVersion::V0_4_0 => crate::counters::COUNT,
+            SchemaVersion::V0_4_0 | SchemaVersion::V0_5_0 => crate::counters::COUNT,
         }
     }
 }
@@ -80,11 +84,11 @@ mod unit {
         use SchemaVersion::*;
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.counter_columns()),
-            [5, 5, 9, crate::counters::COUNT]
+            [5, 5, 9, crate::counters::COUNT, crate::counters::COUNT]
         );
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.has_named_caps()),
-            [false, true, true, true]
+            [false, true, true, true, true]
         );
         assert!(!V0_3_0.has_leases() && V0_4_0.has_leases());
     }
