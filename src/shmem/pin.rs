@@ -44,7 +44,9 @@ impl CapEntry {
         let Some(hazard) = my_hazard().filter(|h| h.load(Ordering::Relaxed) == 0) else {
             return self.pin_counted(cap);
         };
-        self.state.pin_hazard(hazard, cap, nap).then_some(Cap {
+        // `then`, not `then_some`: a handle built for a failed pin would be dropped, unpinning
+        // what was never pinned.
+        self.state.pin_hazard(hazard, cap, nap).then(|| Cap {
             entry: self,
             at: cap,
             hazard: Some(hazard),
@@ -53,7 +55,7 @@ impl CapEntry {
 
     /// Pins the entry by counting in its state word (several pins at once).
     pub(super) fn pin_counted(&'static self, cap: CapRef) -> Option<Cap> {
-        self.state.pin_counted(cap.generation, nap).then_some(Cap {
+        self.state.pin_counted(cap.generation, nap).then(|| Cap {
             entry: self,
             at: cap,
             hazard: None,
