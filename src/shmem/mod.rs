@@ -42,7 +42,7 @@ pub use stage_e_core::state::CapRef;
 pub use waitq::{dequeue, waiters_of, Ticket, WaiterInfo};
 
 use entry::CapEntry;
-use std::sync::atomic::AtomicU64;
+use stage_e_core::state::Pin;
 
 /// A pinned cap: while it lives, its entry keeps its identity and its slot block (`pin`). Its
 /// methods are in the file of their concern. (Defined here, so that its methods' names are
@@ -51,15 +51,6 @@ pub struct Cap {
     entry: &'static CapEntry,
     /// The cap this handle pins (entry and generation).
     pub at: CapRef,
-    /// This backend's hazard slot when the pin is published there; None for a counted pin.
-    hazard: Option<&'static AtomicU64>,
-}
-
-impl Drop for Cap {
-    fn drop(&mut self) {
-        match self.hazard {
-            Some(h) => stage_e_core::state::unpin_hazard(h),
-            None => self.entry.state.unpin_counted(),
-        }
-    }
+    /// Unpins when the handle goes.
+    _pin: Pin<'static>,
 }

@@ -44,19 +44,21 @@ impl CapEntry {
         let Some(hazard) = my_hazard().filter(|h| h.load(Ordering::Relaxed) == 0) else {
             return self.pin_counted(cap);
         };
-        self.state.pin_hazard(hazard, cap, nap).then_some(Cap {
+        let pin = self.state.pin_hazard(hazard, cap, nap)?;
+        Some(Cap {
             entry: self,
             at: cap,
-            hazard: Some(hazard),
+            _pin: pin,
         })
     }
 
     /// Pins the entry by counting in its state word (several pins at once).
     pub(super) fn pin_counted(&'static self, cap: CapRef) -> Option<Cap> {
-        self.state.pin_counted(cap.generation, nap).then_some(Cap {
+        let pin = self.state.pin_counted(cap.generation, nap)?;
+        Some(Cap {
             entry: self,
             at: cap,
-            hazard: None,
+            _pin: pin,
         })
     }
 }

@@ -47,8 +47,28 @@ pub fn hazard_pinned<'a>(hazards: impl IntoIterator<Item = &'a AtomicU64>, cap: 
 }
 
 /// Ends a hazard pin.
-pub fn unpin_hazard(hazard: &AtomicU64) {
+fn unpin_hazard(hazard: &AtomicU64) {
     hazard.store(0, Ordering::Release);
+}
+
+/// A pin that took: while it lives the entry keeps its generation and is not LOCKED by a grow
+/// or reclaim; dropping it unpins. Only [`State::pin_hazard`] and [`State::pin_counted`] make
+/// one, and only when the pin took, so an unpin always matches a pin.
+#[must_use]
+pub struct Pin<'a>(Pinned<'a>);
+
+enum Pinned<'a> {
+    Hazard(&'a AtomicU64),
+    Counted(&'a State),
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        match self.0 {
+            Pinned::Hazard(h) => unpin_hazard(h),
+            Pinned::Counted(s) => s.unpin_counted(),
+        }
+    }
 }
 
 /// Spins while an entry is LOCKED; every 64 spins, `nap` (a short sleep: growing is quick, and
@@ -79,10 +99,15 @@ impl State {
         }
     }
 
-    /// Pins `cap` through `hazard` (this backend's own, empty): true if the entry still has
-    /// `cap`'s generation, with the pin published; false, with the slot empty again, if not.
+    /// Pins `cap` through `hazard` (this backend's own, empty): the pin if the entry still has
+    /// `cap`'s generation; None, with the slot empty again, if not.
     #[inline]
-    pub fn pin_hazard(&self, hazard: &AtomicU64, cap: CapRef, mut nap: impl FnMut()) -> bool {
+    pub fn pin_hazard<'a>(
+        &'a self,
+        hazard: &'a AtomicU64,
+        cap: CapRef,
+        mut nap: impl FnMut(),
+    ) -> Option<Pin<'a>> {
         let mine = hazard_value(cap);
         let mut spins = 0;
         loop {
@@ -91,23 +116,23 @@ impl State {
             let s = self.0.load(Ordering::SeqCst);
             if generation(s) != cap.generation {
                 unpin_hazard(hazard);
-                return false;
+                return None;
             }
             if s & LOCKED == 0 {
-                return true;
+                return Some(Pin(Pinned::Hazard(hazard)));
             }
             unpin_hazard(hazard);
             backoff(&mut spins, &mut nap);
         }
     }
 
-    /// Pins the entry at `generation` by counting in the word; false if it has another.
-    pub fn pin_counted(&self, generation_: u32, mut nap: impl FnMut()) -> bool {
+    /// Pins the entry at `generation` by counting in the word; None if it has another.
+    pub fn pin_counted(&self, generation_: u32, mut nap: impl FnMut()) -> Option<Pin<'_>> {
         let mut spins = 0;
         loop {
             let s = self.0.load(Ordering::Acquire);
             if generation(s) != generation_ {
-                return false;
+                return None;
             }
             if s & LOCKED != 0 {
                 backoff(&mut spins, &mut nap);
@@ -118,12 +143,12 @@ impl State {
                 .compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                return true;
+                return Some(Pin(Pinned::Counted(self)));
             }
         }
     }
 
-    pub fn unpin_counted(&self) {
+    fn unpin_counted(&self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
 
@@ -220,28 +245,33 @@ mod unit {
         let s = State::default();
         let cap = s.cap_ref(3);
         let hazard = AtomicU64::new(0);
-        assert!(s.pin_hazard(&hazard, cap, || {}));
+        let pin = s.pin_hazard(&hazard, cap, || {}).expect("pinned");
         assert!(
             s.lock_unpinned(3, [&hazard]).is_none(),
             "a hazard pin blocks reclaim"
         );
-        unpin_hazard(&hazard);
-        assert!(s.pin_counted(cap.generation, || {}));
+        drop(pin);
+        assert_eq!(hazard.load(Ordering::Relaxed), 0);
+        let pin = s.pin_counted(cap.generation, || {}).expect("pinned");
         assert!(
             s.lock_unpinned(3, [&hazard]).is_none(),
             "a counted pin blocks reclaim"
         );
-        s.unpin_counted();
+        drop(pin);
         let before = s.lock_unpinned(3, [&hazard]).expect("unpinned");
         s.retire(before);
-        assert!(!s.pin_hazard(&hazard, cap, || {}));
+        let after = s.load();
+        assert!(s.pin_hazard(&hazard, cap, || {}).is_none());
         assert_eq!(
             hazard.load(Ordering::Relaxed),
             0,
             "a failed pin leaves the slot empty"
         );
-        assert!(!s.pin_counted(cap.generation, || {}));
-        assert!(s.pin_counted(cap.generation + 1, || {}));
+        assert!(s.pin_counted(cap.generation, || {}).is_none());
+        assert_eq!(s.load(), after, "a failed pin leaves the word as it was");
+        let pin = s.pin_counted(cap.generation + 1, || {}).expect("pinned");
+        drop(pin);
+        assert_eq!(s.load(), after);
     }
 
     /// The entry's identity (what a reclaim changes) and its block (what a grow moves), as a
@@ -278,12 +308,12 @@ mod unit {
                     let counted = i % 2 == 1;
                     while !stop.load(Ordering::Relaxed) {
                         let cap = e.state.cap_ref(0);
-                        let pinned = if counted {
+                        let pin = if counted {
                             e.state.pin_counted(cap.generation, std::thread::yield_now)
                         } else {
                             e.state.pin_hazard(&hazards[i], cap, std::thread::yield_now)
                         };
-                        if !pinned {
+                        if pin.is_none() {
                             continue; // reclaimed since the look: look again
                         }
                         let (id, block) = (
@@ -300,11 +330,7 @@ mod unit {
                             "reclaimed under a pin"
                         );
                         assert_eq!(e.block.load(Ordering::Acquire), block, "moved under a pin");
-                        if counted {
-                            e.state.unpin_counted();
-                        } else {
-                            unpin_hazard(&hazards[i]);
-                        }
+                        drop(pin);
                         pins.fetch_add(1, Ordering::Relaxed);
                     }
                 })
