@@ -11,8 +11,10 @@
 use super::entry::{CapEntry, SlotRecord};
 use super::segment::{self, segment};
 use super::Cap;
+use crate::session::BackendLocal;
 use pgrx::pg_sys;
 use stage_e_core::state::CapRef;
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One backend's hazard slot, alone on its cache line: each backend writes its own twice per
@@ -25,8 +27,22 @@ fn nap() {
     segment::nap(50);
 }
 
+/// This process's hazard slot, once found: a process keeps its PGPROC, and the segment, for life
+/// (a crash reset restarts every backend).
+static MY_HAZARD: BackendLocal<Cell<Option<&'static AtomicU64>>> =
+    BackendLocal::new(Cell::new(None));
+
 /// This process's hazard slot: one per PGPROC, so each backend has its own.
 fn my_hazard() -> Option<&'static AtomicU64> {
+    if let Some(h) = MY_HAZARD.get() {
+        return Some(h);
+    }
+    let h = find_my_hazard()?;
+    MY_HAZARD.set(Some(h));
+    Some(h)
+}
+
+fn find_my_hazard() -> Option<&'static AtomicU64> {
     let seg = segment()?;
     #[cfg(feature = "pg15")]
     // SAFETY: MyProc is this process's PGPROC, set at start-up (null in the postmaster).
@@ -93,6 +109,12 @@ impl Cap {
     pub fn bits(&self) -> &'static [AtomicU64] {
         let seg = segment().expect("a pinned cap implies the segment");
         seg.block(self.entry).1
+    }
+
+    /// The holder records and the occupancy bitmap of the cap's slots, found once.
+    pub fn block(&self) -> (&'static [SlotRecord], &'static [AtomicU64]) {
+        let seg = segment().expect("a pinned cap implies the segment");
+        seg.block(self.entry)
     }
 
     /// The holder record of `slot` (below [`Cap::capacity`]).

@@ -26,10 +26,11 @@ pub(super) fn with_cap<R>(near: Option<&Cap>, held: Held, f: impl FnOnce(&Cap) -
 /// waiter; with `released_at`, counts how long the slot was held.
 pub(super) fn forget(near: Option<&Cap>, held: Held, released_at: Option<i64>) {
     with_cap(near, held, |cap| {
-        let record = cap.record(held.slot);
+        let (records, bits) = cap.block();
+        let record = &records[held.slot as usize];
         let acquired_at = record.get().1;
         record.clear();
-        occupancy::clear(cap.bits(), held.slot);
+        occupancy::clear(bits, held.slot);
         cap.wake_front();
         if let Some(now) = released_at.filter(|_| acquired_at != 0) {
             // Adding 0 (taken and given back in one statement) would cost a locked add on a

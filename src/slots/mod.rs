@@ -374,7 +374,7 @@ pub(super) fn take(
 /// `at` is recorded as a session slot's acquisition time (a lease's is the clock's now).
 fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotError> {
     let key = cap.key();
-    let bits = cap.bits();
+    let (records, bits) = cap.block();
     let mut from = 0;
     while let Some(claim) = occupancy::claim_first_free(bits, from, n) {
         let slot = claim.slot();
@@ -383,7 +383,7 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
                 let token = cap.next_token();
                 match kind {
                     Kind::Session => {
-                        cap.record(slot).set(session::pid(), at);
+                        records[slot as usize].set(session::pid(), at);
                         session::track(Held {
                             cap: cap.at,
                             key,
