@@ -145,7 +145,7 @@ pub fn raise(e: SlotError) -> ! {
             format!("A cap name is 1 to {MAX_NAME} bytes."),
             Some("Use a shorter name; a hash of a long key works (md5(key) is 32 bytes).".into()),
         ),
-        SlotError::Cap { cap, error } => raise_cap(&cap, error),
+        SlotError::Cap(f) => raise_cap(&f.cap, f.error),
     }
 }
 

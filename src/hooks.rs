@@ -24,8 +24,16 @@ use std::cell::Cell;
 static REGISTERED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
 
 /// Registers the hooks once per backend (not without shared memory: then nothing is held).
+#[inline]
 pub fn ensure() {
-    if REGISTERED.get() || !shmem::attached() {
+    if !REGISTERED.get() {
+        register();
+    }
+}
+
+#[cold]
+fn register() {
+    if !shmem::attached() {
         return;
     }
     // SAFETY: registered from a normal backend after InitPostgres, so before_shmem_exit

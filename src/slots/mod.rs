@@ -55,10 +55,16 @@ pub enum SlotError {
         max_slots: u32,
     },
     BadCapName(NameError),
-    Cap {
-        cap: String,
-        error: CapError,
-    },
+    /// A cap could not be created or grown (boxed: the error path only, and it keeps every
+    /// `Result` of the hot path small).
+    Cap(Box<CapFailure>),
+}
+
+/// Which cap could not be created or grown, and why.
+#[derive(Debug, PartialEq)]
+pub struct CapFailure {
+    pub cap: String,
+    pub error: CapError,
 }
 
 pub enum Release {
@@ -112,6 +118,7 @@ pub enum LeaseOutcome {
 
 /// Refuses to run without the cap's shared state, on a standby (whose locks do not coordinate
 /// with the primary's) or in parallel mode: fail closed, never an uncapped slot.
+#[inline]
 pub fn ready() -> Result<(), SlotError> {
     if !shmem::attached() {
         return Err(SlotError::NotPreloaded);
@@ -137,12 +144,14 @@ pub fn attached() -> Result<(), SlotError> {
     }
 }
 
+#[inline]
 fn check_name(cap: Option<&str>) -> Result<&str, SlotError> {
     let cap = cap.ok_or(SlotError::NullArgument { name: "cap" })?;
     directory::check_name(cap).map_err(SlotError::BadCapName)?;
     Ok(cap)
 }
 
+#[inline]
 fn check_cap(n: Option<i32>) -> Result<u32, SlotError> {
     let n = n.ok_or(SlotError::NullArgument { name: "n" })?;
     let max_slots = gucs::max_slots();
@@ -152,6 +161,7 @@ fn check_cap(n: Option<i32>) -> Result<u32, SlotError> {
     Ok(n as u32)
 }
 
+#[inline]
 fn check_count(k: Option<i32>, n: u32) -> Result<u32, SlotError> {
     let k = k.ok_or(SlotError::NullArgument { name: "k" })?;
     if k < 1 || k as u32 > n {
@@ -160,6 +170,7 @@ fn check_count(k: Option<i32>, n: u32) -> Result<u32, SlotError> {
     Ok(k as u32)
 }
 
+#[inline]
 fn check_slot(slot: Option<i32>) -> Result<u32, SlotError> {
     let slot = slot.ok_or(SlotError::NullArgument { name: "slot" })?;
     let max_slots = gucs::max_slots();
@@ -177,6 +188,7 @@ pub fn cap_key(cap: Option<&str>) -> Result<i32, SlotError> {
 
 /// The cap named `name` pinned, if it exists: through this backend's cache, else a lookup.
 /// Never creates one.
+#[inline]
 fn existing(name: &str) -> Option<Cap> {
     if let Some(r) = session::cached_cap(name) {
         if let Some(cap) = shmem::pin(r) {
@@ -192,9 +204,11 @@ fn existing(name: &str) -> Option<Cap> {
 /// The cap named `name` pinned, created on first use and grown to hold `n` slots: only
 /// `stage_e_try_slot` does this, so reading or releasing never uses up an entry.
 fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
-    let fail = |error| SlotError::Cap {
-        cap: name.to_string(),
-        error,
+    let fail = |error| {
+        SlotError::Cap(Box::new(CapFailure {
+            cap: name.to_string(),
+            error,
+        }))
     };
     loop {
         let cap = match existing(name) {
