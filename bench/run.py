@@ -489,7 +489,8 @@ def report(r: dict) -> str:
         lines.append(f"| {name} | {v:.2f}{unit} | {want} | {'PASS' if ok else 'FAIL'} |")
     m = r["memory"]
     lines += ["", f"Shared memory at the defaults: {m['default_total'] / 1e6:.2f} MB in all; "
-              f"a cap's entry is {m['entry_bytes']:.0f} B, and each kB of "
+              f"a cap costs {m['entry_bytes']:.0f} B (its 704-byte entry and its share of the "
+              f"index), and each kB of "
               f"`stage_e_slots.slot_memory` costs {m['arena_bytes_per_kb']:.0f} B (arena and "
               f"its allocator)."]
     return "\n".join(lines)

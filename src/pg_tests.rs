@@ -57,7 +57,7 @@ mod tests {
             one::<i32>("SELECT held FROM stage_e_stats() WHERE cap = 'default'"),
             Some(4)
         );
-        // A larger cap over the same pool sees the slots beyond 4.
+        // A larger n over the same cap sees the slots beyond 4.
         assert_eq!(one::<i32>("SELECT stage_e_try_slot(5)"), Some(4));
         assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(5));
         assert!(my_locks().is_empty());
