@@ -43,6 +43,31 @@ mod tests {
         })
     }
 
+    /// A pin that fails (its cap was reclaimed since the backend looked it up) must leave the
+    /// entry as it was. With this backend's hazard slot taken by another pin, the pin is
+    /// counted; a handle built for the failed pin and then dropped used to unpin what was never
+    /// pinned, underflowing the count into the LOCKED bit, after which every pin of the entry
+    /// spun for ever.
+    #[pg_test]
+    fn a_pin_that_fails_on_a_reclaimed_cap_leaves_its_entry_unpinned() {
+        use crate::shmem;
+        settle();
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot('keep', 1)"), Some(0));
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot('gone', 1)"), Some(0));
+        assert_eq!(one::<bool>("SELECT stage_e_release('gone', 0)"), Some(true));
+        let db = crate::session::database();
+        let keep = shmem::lookup(db, "keep").expect("cap keep").at;
+        let gone = shmem::lookup(db, "gone").expect("cap gone").at;
+        assert!(shmem::reclaim_now(gone), "nothing refers to cap gone");
+        let hazard = shmem::pin(keep).expect("keep holds a slot: never reclaimed");
+        assert!(shmem::pin(gone).is_none(), "a reclaimed cap does not pin");
+        drop(hazard);
+        assert_eq!(shmem::pin_state(gone.entry), (0, false));
+        // The name is a cap again (a new one), and its slot is free.
+        assert_eq!(one::<i32>("SELECT stage_e_try_slot('gone', 1)"), Some(0));
+        assert_eq!(one::<i32>("SELECT stage_e_release_all()"), Some(2));
+    }
+
     #[pg_test]
     fn hands_out_distinct_slots_then_null_at_the_cap() {
         settle();

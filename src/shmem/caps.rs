@@ -456,3 +456,21 @@ pub fn usage() -> Usage {
         pages: seg.pages(),
     }
 }
+
+/// Test support: reclaims the entry of `cap` now if nothing refers to it (its pending counts
+/// go, as for a dropped database).
+#[cfg(any(test, feature = "pg_test"))]
+pub fn reclaim_now(cap: CapRef) -> bool {
+    let Some(seg) = segment() else { return false };
+    directory_locked(EXCLUSIVE, || {
+        seg.entry(cap.entry).state.cap_ref(cap.entry) == cap && seg.try_reclaim(cap.entry, true)
+    })
+}
+
+/// Test support: the counted pins of entry `entry`, and whether it is LOCKED.
+#[cfg(any(test, feature = "pg_test"))]
+pub fn pin_state(entry: u32) -> (u64, bool) {
+    use stage_e_core::state::{LOCKED, PINS};
+    let s = segment().map_or(0, |seg| seg.entry(entry).state.load());
+    (s & PINS, s & LOCKED != 0)
+}

@@ -31,6 +31,8 @@ pub use caps::{
     cap_key, cap_refs, caps, create, databases, databases_with_pending, grow, lookup,
     reclaim_database, usage, CapError,
 };
+#[cfg(any(test, feature = "pg_test"))]
+pub use caps::{pin_state, reclaim_now};
 pub use counters::Flushed;
 pub use launcher::{launcher_wakeup, next_flush_id};
 pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo};
