@@ -206,6 +206,34 @@ def test_pending_subtracts_the_flush_the_reader_already_sees(manual):
     holder.close()
 
 
+def test_a_reader_whose_snapshot_predates_a_flush_still_counts_its_delta(manual):
+    """Totals are rows plus pending counts, and a flush moves counts from one to the other when
+    its transaction commits. A reader whose snapshot was taken before that commit does not see
+    the new row, so the delta must still be pending for it (0.4.0 counted it in neither, and a
+    statement that straddled a flush's commit came up short). REPEATABLE READ holds the
+    snapshot across the other session's flush; a single statement has the same window."""
+    db = manual.create_database("f_snapshot")
+    holder = held_cap(manual, db)
+    with manual.connect(db) as c, manual.connect(db) as flusher:
+        throttle(c, 6)
+        flusher.execute("SELECT stage_e_flush()")
+        throttle(c, 4)
+        with c.transaction():
+            c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            assert totals(c)["throttled"] == 10  # the snapshot: the row holds 6, 4 pending
+            assert one(flusher, "SELECT throttled FROM stage_e_flush()") == 4  # commits
+            assert totals(flusher)["throttled"] == 10  # a new snapshot: the row holds 10
+            again = totals(c)
+            assert (again["throttled"], again["pending_throttled"]) == (10, 4)
+            assert flushed(c) == 6  # this snapshot still sees the old row
+        # Nothing new since: a later flush round keeps the settled delta for old snapshots.
+        assert one(flusher, "SELECT count(*) FROM stage_e_flush()") == 0
+        assert totals(c)["throttled"] == 10
+        throttle(c, 1)
+        assert totals(c)["throttled"] == 11
+    holder.close()
+
+
 def test_two_databases_keep_separate_totals(fc):
     a, b = fc.create_database("f_a"), fc.create_database("f_b")
     ha, hb = held_cap(fc, a), held_cap(fc, b)

@@ -5,7 +5,8 @@
 //! They share their cache lines with the other fields that change as slots are taken (the
 //! fencing token and the lease fields, `leases`), away from the fields every call only reads.
 //!
-//! **Flush seqlock.** `carried`, `flushed`, `inflight` and `inflight_id` change only in the
+//! **Flush seqlock.** `carried`, `flushed`, `inflight`, `inflight_id` and `settled_id` change
+//! only in the
 //! process that holds the cap's flusher role (a CAS on `flusher`, taken by `flush`), as one
 //! seqlock write: `version` is odd while they change. Readers ([`CapEntry::flush_state`]) retry
 //! until they read an even, unchanged version, so the pending counts they compute are from one
@@ -64,6 +65,7 @@ impl CapEntry {
                 flushed: self.flushed.load(),
                 inflight: self.inflight.load(),
                 inflight_id: self.inflight_id.load(Ordering::Relaxed),
+                settled_id: self.settled_id.load(Ordering::Relaxed),
             };
             std::sync::atomic::fence(Ordering::Acquire);
             if self.version.load(Ordering::Relaxed) == before {
@@ -98,6 +100,7 @@ impl CapEntry {
         self.flushed.store(zero);
         self.inflight.store(zero);
         self.inflight_id.store(0, Ordering::Relaxed);
+        self.settled_id.store(0, Ordering::Relaxed);
     }
 }
 
@@ -105,10 +108,12 @@ impl CapEntry {
 pub struct Flushed(&'static CapEntry);
 
 impl Flushed {
+    /// The flush `id` writes `delta`: the last settled flush's delta is given up for it.
     pub fn set_inflight(&self, id: u64, delta: CounterValues) {
         self.0.write(|e| {
             e.inflight.store(delta);
             e.inflight_id.store(id, Ordering::Relaxed);
+            e.settled_id.store(0, Ordering::Relaxed);
         });
     }
 
@@ -116,24 +121,31 @@ impl Flushed {
         self.0.flush_state()
     }
 
-    /// The flush's transaction committed: what it read is now in the table.
+    /// The flush's transaction committed: what it read is now in the table. Its delta stays in
+    /// `inflight`, under `settled_id`, for readers whose snapshot predates the commit.
     pub fn commit(&self, read: &FlushState) {
         let e = self.0;
         e.write(|e| {
             e.flushed.store(read.counters);
             e.carried.store(e.carried.load().minus(read.carried));
-            e.inflight.store(CounterValues::default());
-            e.inflight_id.store(0, Ordering::Relaxed);
+            let id = e.inflight_id.swap(0, Ordering::Relaxed);
+            if id == 0 {
+                e.inflight.store(CounterValues::default());
+            }
+            e.settled_id.store(id, Ordering::Relaxed);
         });
         e.flusher.store(0, Ordering::Release);
     }
 
     /// The flush's transaction (or subtransaction) aborted: its delta is still pending.
+    /// A role taken for a cap with nothing new (no delta set) keeps the last settled flush.
     pub fn abort(&self) {
         let e = self.0;
         e.write(|e| {
-            e.inflight.store(CounterValues::default());
-            e.inflight_id.store(0, Ordering::Relaxed);
+            // A flush that set its delta had given up the settled one (`set_inflight`).
+            if e.inflight_id.swap(0, Ordering::Relaxed) != 0 {
+                e.inflight.store(CounterValues::default());
+            }
         });
         e.flusher.store(0, Ordering::Release);
     }

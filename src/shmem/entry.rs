@@ -59,6 +59,9 @@ pub(super) struct CapEntry {
     pub(super) load_throttles: Averages,
     pub(super) load_last_throttled: AtomicU64,
     pub(super) load_last_us: AtomicI64,
+    /// The id of the cap's last settled flush, whose delta `inflight` still holds (0 = none;
+    /// `counters`). Rarely written, so it takes the padding after the load averages.
+    pub(super) settled_id: AtomicU64,
 }
 
 /// 704 bytes: eleven cache lines. A change here is a change of the memory budget (README).

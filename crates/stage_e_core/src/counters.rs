@@ -252,22 +252,32 @@ impl CounterValues {
 }
 
 /// The flush bookkeeping of one cap, read consistently (by the extension's flush seqlock).
+///
+/// A flush in progress has `inflight_id` (its id) and `inflight` (the delta it writes). Once
+/// its transaction commits and the cap advances, `inflight_id` is 0 and `settled_id` is its id,
+/// with `inflight` still its delta, until the next flush of the cap starts.
 pub struct FlushState {
     pub counters: CounterValues,
     pub carried: CounterValues,
     pub flushed: CounterValues,
     pub inflight: CounterValues,
     pub inflight_id: u64,
+    pub settled_id: u64,
 }
 
 impl FlushState {
-    /// Counts not yet in the table. `row_flush_id` is the flush id of the table row the caller
-    /// sees: if that row already holds the in-flight delta (committed, not yet acknowledged
-    /// here), it is not counted twice.
+    /// Counts not yet in the table, for a reader whose snapshot's newest row has flush id
+    /// `row_flush_id` (None: a reader of shared memory alone). A reader that already sees the
+    /// in-flight flush's row (committed, the cap not yet advanced) must not count that delta
+    /// twice; one whose snapshot was taken before the last settled flush committed does not
+    /// see that flush's rows, so the delta the cap has since moved out of its pending counts is
+    /// still pending for it. Either way a single statement that reads the rows and then the
+    /// pending counts, while a flush commits, sees each count exactly once.
     pub fn pending(&self, row_flush_id: Option<u64>) -> CounterValues {
         let pending = self.carried.plus(self.counters).minus(self.flushed);
         match row_flush_id {
             Some(id) if id != 0 && id == self.inflight_id => pending.minus(self.inflight),
+            Some(id) if self.settled_id != 0 && id < self.settled_id => pending.plus(self.inflight),
             _ => pending,
         }
     }
@@ -430,6 +440,7 @@ mod unit {
                 v(inflight)
             },
             inflight_id,
+            settled_id: 0,
         }
     }
 
@@ -450,6 +461,25 @@ mod unit {
         // A reader of the older row (or none) has not: they are still pending for it.
         assert_eq!(s.pending(Some(6)), all);
         assert_eq!(s.pending(None), all);
+    }
+
+    #[test]
+    fn a_reader_whose_snapshot_predates_the_settled_flush_still_counts_its_delta() {
+        // Flush 7 wrote 30 into the rows, committed, and the cap advanced: flushed is 20 + 30.
+        let mut s = state(50, 0, 0, 0);
+        s.flushed = v(20).plus(v(30));
+        s.inflight = v(30);
+        s.settled_id = 7;
+        let after = v(1000).plus(v(50)).minus(s.flushed);
+        // A reader that sees the rows of flush 7 (or of a later one): the 30 are in its rows.
+        assert_eq!(s.pending(Some(7)), after);
+        assert_eq!(s.pending(Some(9)), after);
+        // A reader whose snapshot is older (newest visible row from flush 6): the 30 are in no
+        // row it sees, so they are still pending for it, as before the flush.
+        assert_eq!(s.pending(Some(6)), after.plus(v(30)));
+        assert_eq!(s.pending(Some(6)), state(50, 20, 0, 0).pending(None));
+        // Shared memory alone (stage_e_pending() with no row id): only what no row holds.
+        assert_eq!(s.pending(None), after);
     }
 
     #[test]
