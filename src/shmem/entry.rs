@@ -162,6 +162,9 @@ pub struct SlotRecord {
     acquired_at: AtomicI64,
 }
 
+/// The arena sizes blocks by this record's size.
+const _: () = assert!(size_of::<SlotRecord>() == stage_e_core::arena::RECORD);
+
 impl SlotRecord {
     pub fn set(&self, pid: i32, acquired_at: i64) {
         self.acquired_at.store(acquired_at, Ordering::Relaxed);

@@ -107,8 +107,7 @@ impl Cap {
 
     /// The occupancy bitmap of the cap's slots.
     pub fn bits(&self) -> &'static [AtomicU64] {
-        let seg = segment().expect("a pinned cap implies the segment");
-        seg.block(self.entry).1
+        self.block().1
     }
 
     /// The holder records and the occupancy bitmap of the cap's slots, found once.
@@ -119,7 +118,6 @@ impl Cap {
 
     /// The holder record of `slot` (below [`Cap::capacity`]).
     pub fn record(&self, slot: u32) -> &'static SlotRecord {
-        let seg = segment().expect("a pinned cap implies the segment");
-        &seg.block(self.entry).0[slot as usize]
+        &self.block().0[slot as usize]
     }
 }

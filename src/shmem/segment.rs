@@ -295,5 +295,3 @@ pub(super) fn nap(us: i64) {
     // SAFETY: pg_usleep only sleeps.
     unsafe { pg_sys::pg_usleep(us as _) };
 }
-
-const _: () = assert!(size_of::<SlotRecord>() == arena::RECORD);
