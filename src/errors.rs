@@ -121,6 +121,47 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
+        SlotError::NotLoaded => report(
+            ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            "stage_e_slots could not load this database's lease horizons".into(),
+            "After a start or a promotion, the background launcher reads each database's \
+             stage_e_lease_horizon table before its caps hand out slots; it did not within \
+             10 s, so no slot was taken."
+                .into(),
+            Some(
+                "Check that the stage_e_slots launcher runs (pg_stat_activity) and that \
+                 max_worker_processes leaves room for its flusher; see the server log."
+                    .into(),
+            ),
+        ),
+        SlotError::TooManyDatabases => report(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            "stage_e_slots has no room for another database".into(),
+            format!(
+                "At most {} databases of one server can use stage_e_slots at once.",
+                crate::shmem::MAX_DATABASES
+            ),
+            Some("Use the extension from fewer databases of this server.".into()),
+        ),
+        SlotError::NoDurableRoom { cap } => report(
+            ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("the lease horizon of cap \"{cap}\" could not be made durable"),
+            "A lease is granted only once a committed row covers its expiry, so that a crash or \
+             a failover cannot free it early; no row was committed within 10 s, so no lease was \
+             granted or renewed."
+                .into(),
+            Some(
+                "Check that the stage_e_slots launcher runs and that its flusher can write \
+                 stage_e_lease_horizon (the server log says why not)."
+                    .into(),
+            ),
+        ),
+        SlotError::NeedsRoom { .. } => report(
+            ERRCODE_INTERNAL_ERROR,
+            "stage_e_slots: a lease waited for its horizon outside its retry".into(),
+            "This is a bug in stage_e_slots; no lease was granted.".into(),
+            None,
+        ),
         SlotError::NoWaiterRecord => report(
             ERRCODE_INTERNAL_ERROR,
             "stage_e_slots has no room to record this waiter".into(),

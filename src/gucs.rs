@@ -17,6 +17,9 @@ pub const MAX_MAX_LEASES: i32 = 1 << 20;
 pub const DEFAULT_FLUSH_INTERVAL_MS: i32 = 10_000;
 pub const MIN_FLUSH_INTERVAL_MS: i32 = 100;
 pub const MAX_FLUSH_INTERVAL_MS: i32 = 3_600_000;
+pub const DEFAULT_LEASE_HORIZON_MARGIN_MS: i32 = 2_000;
+pub const MAX_LEASE_HORIZON_MARGIN_MS: i32 = 3_600_000;
+pub const MAX_RECOVERY_HOLD_MS: i32 = 86_400_000;
 
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
@@ -24,6 +27,9 @@ static MAX_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_CAPS);
 static SLOT_MEMORY_KB: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_SLOT_MEMORY_KB);
 static MAX_LEASES: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_LEASES);
 static FLUSH_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_FLUSH_INTERVAL_MS);
+static LEASE_HORIZON_MARGIN_MS: GucSetting<i32> =
+    GucSetting::<i32>::new(DEFAULT_LEASE_HORIZON_MARGIN_MS);
+static RECOVERY_HOLD_MS: GucSetting<i32> = GucSetting::<i32>::new(0);
 
 pub fn init() {
     GucRegistry::define_int_guc(
@@ -50,7 +56,7 @@ pub fn init() {
         c"stage_e_slots.max_caps",
         c"How many caps (named or default, of all databases) can be in use at once.",
         c"A cap with held slots or counts not yet flushed is in use; an idle one is reclaimed \
-          when room is needed. Each takes a 704-byte entry and a slot block of shared memory.",
+          when room is needed. Each takes a 768-byte entry and a slot block of shared memory.",
         &MAX_CAPS,
         16,
         MAX_MAX_CAPS,
@@ -90,6 +96,29 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.lease_horizon_margin",
+        c"How far past every lease's expiry the durable lease horizon is kept.",
+        c"A standby promoted with a replay lag shorter than this still holds back every cap \
+          until the old primary's leases have expired (see the README's Lifecycle section).",
+        &LEASE_HORIZON_MARGIN_MS,
+        0,
+        MAX_LEASE_HORIZON_MARGIN_MS,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.recovery_hold",
+        c"After a crash or a promotion, hold back every cap with a counter row this long.",
+        c"For work that outlives its connection: a crash ends every session slot's connection, \
+          not its work. Set it to the p99 hold time; 0 (the default) holds back only caps with \
+          leases that may still be live.",
+        &RECOVERY_HOLD_MS,
+        0,
+        MAX_RECOVERY_HOLD_MS,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
 }
 
 /// A postmaster-context setting, read without `GucSetting::get`'s thread check (a thread-local
@@ -124,6 +153,16 @@ pub fn slot_memory_bytes() -> usize {
 
 pub fn flush_interval() -> std::time::Duration {
     std::time::Duration::from_millis(FLUSH_INTERVAL_MS.get() as u64)
+}
+
+/// `stage_e_slots.lease_horizon_margin`, in microseconds.
+pub fn lease_horizon_margin_us() -> i64 {
+    LEASE_HORIZON_MARGIN_MS.get() as i64 * 1_000
+}
+
+/// `stage_e_slots.recovery_hold`, in microseconds.
+pub fn recovery_hold_us() -> i64 {
+    RECOVERY_HOLD_MS.get() as i64 * 1_000
 }
 
 /// Makes `SET stage_e_slots.typo = …` an error instead of a silently ignored placeholder.

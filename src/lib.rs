@@ -7,7 +7,9 @@
 //! - the SQL surface: `api` (by surface: slots, leases, stats, snapshot), `compat` (earlier
 //!   versions' symbols), `errors` (how failures are reported);
 //! - the logic: `slots` (acquire, release, leases; `slots::waiting`, the wait policy;
-//!   `slots::held`, what happens to slots whose lock went away), `flush` (durable counts),
+//!   `slots::held`, what happens to slots whose lock went away; `slots::durable`, the lifecycle
+//!   rules a call keeps), `flush` (durable counts), `durable` (loading and advancing the lease
+//!   horizons),
 //!   `worker` (the launcher and flushers), `hooks` (exit and transaction-end callbacks);
 //! - this backend and Postgres: `session` (this backend's state, a leaf), `locks` (the lock
 //!   manager), `shmem` (shared state, one file per concern), `sql` (every statement we run),
@@ -18,6 +20,7 @@
 #[macro_use]
 mod api;
 mod compat;
+mod durable;
 mod errors;
 mod ffi;
 mod flush;

@@ -100,6 +100,9 @@ static DEFAULT: BackendLocal<Cell<Option<CapRef>>> = BackendLocal::new(Cell::new
 /// The queue this backend waits in, if it is waiting (for the exit hook).
 static WAITING: BackendLocal<Cell<Option<(CapRef, Ticket)>>> = BackendLocal::new(Cell::new(None));
 static RECOVERY_DONE: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
+/// Whether this backend has seen its database's durable state loaded (`slots::durable`): once
+/// loaded, it stays loaded for the life of the segment, which outlives this backend.
+static DATABASE_LOADED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
 static FLUSH: BackendLocal<RefCell<Option<Flush>>> = BackendLocal::new(RefCell::new(None));
 
 // -- who this backend is ---------------------------------------------------------------------
@@ -126,6 +129,35 @@ pub fn database_exists(db: u32) -> bool {
             pg_sys::Datum::from(0),
         )
     }
+}
+
+/// The databases that accept connections and are not templates (a scan of the shared catalog
+/// pg_database, as autovacuum lists them; call inside a transaction).
+pub fn connectable_databases() -> Vec<u32> {
+    let mut out = Vec::new();
+    // SAFETY: autovacuum's get_database_list: a catalog scan of pg_database (a heap) under
+    // AccessShareLock inside the caller's transaction; each tuple's fixed part is read while
+    // the scan holds it, and the scan and the relation are closed before returning.
+    unsafe {
+        let rel = pg_sys::table_open(
+            pg_sys::DatabaseRelationId,
+            pg_sys::AccessShareLock as pg_sys::LOCKMODE,
+        );
+        let scan = pg_sys::table_beginscan_catalog(rel, 0, std::ptr::null_mut());
+        loop {
+            let tuple = pg_sys::heap_getnext(scan, pg_sys::ScanDirection::ForwardScanDirection);
+            if tuple.is_null() {
+                break;
+            }
+            let form = &*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple);
+            if form.datallowconn && !form.datistemplate {
+                out.push(form.oid.to_u32());
+            }
+        }
+        pg_sys::heap_endscan(scan);
+        pg_sys::table_close(rel, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+    }
+    out
 }
 
 /// Whether this process is a parallel worker or a leader running a parallel query.
@@ -155,6 +187,16 @@ pub fn in_recovery() -> bool {
     let in_recovery = unsafe { pg_sys::RecoveryInProgress() };
     RECOVERY_DONE.set(!in_recovery);
     in_recovery
+}
+
+/// Whether this backend has seen its database loaded.
+#[inline]
+pub fn database_loaded() -> bool {
+    DATABASE_LOADED.get()
+}
+
+pub fn set_database_loaded() {
+    DATABASE_LOADED.set(true);
 }
 
 pub fn application_name() -> String {

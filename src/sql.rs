@@ -60,6 +60,15 @@ pub fn write(query: &str, args: &[DatumWithOid<'_>]) -> spi::Result<()> {
     pinned(|| Spi::connect_mut(|c| c.update(query, None, args).map(|_| ())))
 }
 
+/// One writing statement with the search path pinned, returning its rows as `f` reads them.
+pub fn write_returning<R>(
+    query: &str,
+    args: &[DatumWithOid<'_>],
+    f: impl FnOnce(spi::SpiTupleTable<'_>) -> spi::Result<R>,
+) -> spi::Result<R> {
+    pinned(|| Spi::connect_mut(|c| f(c.update(query, None, args)?)))
+}
+
 /// `SET LOCAL name = value` for the rest of this transaction, without SQL.
 pub fn set_local(name: &CStr, value: &CStr) {
     // SAFETY: as SET LOCAL does: the value is undone at transaction end.
@@ -145,6 +154,44 @@ pub fn interval_us(us: u64) -> pgrx::prelude::Interval {
 }
 
 // -- the statements --------------------------------------------------------------------------
+
+/// Every row of the lease horizon table: cap, horizon, token floor, n, the journal as text.
+pub fn horizon_rows_query(ext: &Extension) -> String {
+    format!(
+        "SELECT h.cap, h.horizon, h.token_floor, h.n, h.leases::pg_catalog.text \
+           FROM {}.stage_e_lease_horizon AS h",
+        ext.schema
+    )
+}
+
+/// The caps that have a counter row.
+pub fn counter_caps_query(ext: &Extension) -> String {
+    format!("SELECT c.cap FROM {}.stage_e_throttle_counter AS c", ext.schema)
+}
+
+/// One statement writing the horizon rows of several caps: `$1` caps, `$2` horizons, `$3`
+/// floors, `$4` n, `$5` journals (jsonb text). Horizon and floor never go back (a row may
+/// already be ahead of this server's view); returns each row as written.
+pub fn horizon_write_query(ext: &Extension) -> String {
+    format!(
+        "INSERT INTO {}.stage_e_lease_horizon AS h \
+                (cap, horizon, token_floor, n, leases, written_at) \
+         SELECT u.cap, u.horizon, u.token_floor, u.n, u.leases::pg_catalog.jsonb, \
+                pg_catalog.now() \
+           FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.text[]), \
+                           pg_catalog.unnest($2::pg_catalog.timestamptz[]), \
+                           pg_catalog.unnest($3::pg_catalog.int8[]), \
+                           pg_catalog.unnest($4::pg_catalog.int4[]), \
+                           pg_catalog.unnest($5::pg_catalog.text[])) \
+                AS u (cap, horizon, token_floor, n, leases) \
+         ON CONFLICT (cap) DO UPDATE SET \
+                horizon = GREATEST(h.horizon, excluded.horizon), \
+                token_floor = GREATEST(h.token_floor, excluded.token_floor), \
+                n = excluded.n, leases = excluded.leases, written_at = excluded.written_at \
+         RETURNING h.cap, h.horizon, h.token_floor",
+        ext.schema
+    )
+}
 
 /// The counter columns the database's table has.
 fn counter_names(ext: &Extension) -> &'static [&'static str] {

@@ -9,7 +9,13 @@
 //!
 //! A flusher that fails (table locked past its lock_timeout, dropped, anything) ends with the
 //! ERROR in the log; its delta stays pending and the launcher tries again next interval.
+//!
+//! Flushers also keep the durable lease state (`durable`, `docs/lifecycle.md`): a flusher loads
+//! its database after a start, and writes the lease horizons, token floors and journals that
+//! are due. Those are asked for by backends (an advance, a load: the launcher runs at once) and
+//! looked for every second while any lease is live; counters keep their own interval.
 
+use crate::durable;
 use crate::flush::{self, Write};
 use crate::gucs;
 use crate::session;
@@ -52,6 +58,16 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     let mut last_sample: Option<Instant> = None;
     let mut first = true;
     shmem::launcher_wakeup(true);
+    shmem::note_recovered(session::now());
+    if shmem::start_kind().holds() {
+        // After a crash or a promotion, every database is loaded now, so that the caps held
+        // back are held (and logged) from the start, not at their first use.
+        BackgroundWorker::transaction(|| {
+            for db in session::connectable_databases() {
+                shmem::request_load(db);
+            }
+        });
+    }
     loop {
         let interval = gucs::flush_interval();
         // Load samples every 5 s (or every flush interval, if shorter).
@@ -63,11 +79,17 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
             last_sample = Some(now);
         }
         let due = last_round + interval;
-        // A backend that found the caps crowded asks for a round now (shmem::request_flush).
+        // A backend that found the caps crowded asks for a round now (shmem::request_flush);
+        // one that needs a horizon advance or a load asks for those (shmem::request_advance).
         let asked = shmem::launcher_wakeup(false);
-        if !first && !asked && now < due {
+        shmem::advance_requested();
+        let durable_work = durable_work();
+        if !first && !asked && now < due && durable_work.is_empty() {
             let next_sample = last_sample.map_or(now, |t| t + sample_every);
-            let wake = due.min(next_sample).max(now);
+            let mut wake = due.min(next_sample).max(now);
+            if shmem::any_lease_live() {
+                wake = wake.min(now + JOURNAL_LOOK);
+            }
             if !BackgroundWorker::wait_latch(Some(wake - now)) {
                 break;
             }
@@ -77,38 +99,77 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
             }
             continue;
         }
+        let counters = first || asked || now >= due;
         first = false;
-        last_round = now;
-        flush_round();
+        if counters {
+            last_round = now;
+        }
+        flush_round(counters, durable_work);
     }
     // Counts still pending now are saved by the postmaster at shutdown (see shmem).
 }
 
-/// One flusher per database with pending counts, one after another.
-fn flush_round() {
-    reclaim_dropped();
-    for db in shmem::databases_with_pending() {
-        run_flusher(db);
+/// How often the launcher looks for journals to write while a lease is live.
+const JOURNAL_LOOK: Duration = Duration::from_millis(1_000);
+
+/// Databases to load, or with a horizon, floor or journal due.
+fn durable_work() -> Vec<u32> {
+    let mut dbs = shmem::databases_to_load();
+    dbs.extend(shmem::databases_with_horizon_work(
+        session::now(),
+        durable::JOURNAL_EVERY_US,
+    ));
+    dbs.sort_unstable();
+    dbs.dedup();
+    dbs
+}
+
+/// One flusher per database with work, one after another: the durable lease state of `durable`
+/// databases, and with `counters` the pending counts of every database that has some.
+fn flush_round(counters: bool, durable: Vec<u32>) {
+    if counters {
+        reclaim_dropped();
+    }
+    let mut dbs: Vec<(u32, bool)> = durable.into_iter().map(|d| (d, false)).collect();
+    if counters {
+        for db in shmem::databases_with_pending() {
+            match dbs.iter_mut().find(|(d, _)| *d == db) {
+                Some(entry) => entry.1 = true,
+                None => dbs.push((db, true)),
+            }
+        }
+    }
+    for (db, counters) in dbs {
+        run_flusher(db, counters);
     }
 }
 
 /// Frees the caps of dropped databases (their pending counts have nowhere to go; see
 /// `shmem::reclaim_database`).
 fn reclaim_dropped() {
-    for db in shmem::databases() {
+    let mut dbs = shmem::databases();
+    dbs.extend(shmem::recorded_databases());
+    dbs.sort_unstable();
+    dbs.dedup();
+    for db in dbs {
         if !BackgroundWorker::transaction(|| session::database_exists(db)) {
             shmem::reclaim_database(db);
         }
     }
 }
 
-fn run_flusher(db: u32) {
+/// The flusher's argument: the database's oid, and whether to flush its counters.
+const COUNTERS_BIT: u64 = 1 << 32;
+
+fn run_flusher(db: u32, counters: bool) {
     let started = BackgroundWorkerBuilder::new(&format!("stage_e_slots flusher for database {db}"))
         .set_type("stage_e_slots flusher")
         .set_library(LIBRARY)
         .set_function("stage_e_slots_flusher_main")
         .enable_spi_access()
-        .set_argument(Some(pg_sys::Datum::from(db)))
+        .set_argument(Some(pg_sys::Datum::from(
+            db as u64 | if counters { COUNTERS_BIT } else { 0 },
+        )))
         // SAFETY: our own pid, so that we are told when the flusher starts and stops.
         .set_notify_pid(unsafe { pg_sys::MyProcPid })
         .load_dynamic();
@@ -126,19 +187,49 @@ fn run_flusher(db: u32) {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGTERM);
+    let counters = arg.value() as u64 & COUNTERS_BIT != 0;
     let db = pg_sys::Oid::from(arg.value() as u32);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
-    BackgroundWorker::transaction(|| {
+    let written = BackgroundWorker::transaction(|| {
+        // Before the first statement: what a database owner or a role may have set for this
+        // database must not make the flush fail or wait (a read-only default) nor leave it
+        // undurable (an asynchronous commit: a horizon is relied upon once published).
+        sql::set_local(c"transaction_read_only", c"off");
+        sql::set_local(c"synchronous_commit", c"on");
         sql::set_local(c"lock_timeout", FLUSH_LOCK_TIMEOUT);
-        match flush::flush(Write::Add, None, false) {
-            Ok(Some(_)) => {}
-            Ok(None) => drop_orphaned(db),
-            Err(e) => error!(
-                "stage_e_slots: flush of database {} failed: {e:?}",
-                db.to_u32()
-            ),
+        let ext = sql::extension();
+        let loaded = shmem::loaded(db.to_u32());
+        if loaded.is_none() {
+            if let Err(e) = durable::load(db.to_u32(), ext.as_ref()) {
+                error!("stage_e_slots: could not load database {}: {e}", db.to_u32());
+            }
+        } else if loaded != Some(ext.as_ref().is_some_and(|e| e.version.has_lease_horizon())) {
+            // Updated (or the extension dropped) since it was loaded.
+            durable::load(db.to_u32(), ext.as_ref()).ok();
         }
+        let written = match &ext {
+            Some(ext) => durable::advance(ext).unwrap_or_else(|e| {
+                error!(
+                    "stage_e_slots: could not write the lease horizons of database {}: {e}",
+                    db.to_u32()
+                )
+            }),
+            None => Vec::new(),
+        };
+        if counters {
+            match flush::flush(Write::Add, None, false) {
+                Ok(Some(_)) => {}
+                Ok(None) => drop_orphaned(db),
+                Err(e) => error!(
+                    "stage_e_slots: flush of database {} failed: {e:?}",
+                    db.to_u32()
+                ),
+            }
+        }
+        written
     });
+    // Committed: grants may now rely on it.
+    durable::publish(written);
 }
 
 /// The extension is no longer installed here: its table is gone with it, so the counts have

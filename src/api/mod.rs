@@ -1,5 +1,5 @@
 //! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and
-//! tokens), `stats` (counters, holders, waiters, load, flush and reset), `snapshot` (the jsonb
+//! tokens), `lifecycle` (held-back caps), `stats` (counters, holders, waiters, load, flush and reset), `snapshot` (the jsonb
 //! document). Each function translates arguments, calls `slots` or `flush`, and maps errors
 //! (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are refused in
 //! parallel workers). Arguments are `Option` so a NULL reaches us and becomes a class-22 ERROR
@@ -34,6 +34,7 @@ macro_rules! counter_table_fn {
 }
 
 mod leases;
+mod lifecycle;
 pub(crate) mod slots;
 mod snapshot;
 mod stats;

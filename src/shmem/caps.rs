@@ -11,12 +11,13 @@
 //! larger block; its holders keep their slots.
 //!
 //! **Reclaiming.** A cap with no pin, no occupied slot, no waiter, nothing pending for the table
-//! and no flush in progress is idle, and is reclaimed when room is needed (an entry or a block);
+//! and no flush in progress, not held back (`durable`), is idle, and is reclaimed when room is needed (an entry or a block);
 //! its counts are already in its counter row. A cap of a dropped database is reclaimed with its
 //! pending counts (logged). Only when the caps truly in use fill `max_caps` or the arena does a
 //! create fail; a create that finds everything in use asks the launcher for a flush round (so
 //! idle caps' counts reach their rows) and waits up to [`ROOM_WAIT`] for it.
 
+use super::durable;
 use super::entry::{CapEntry, Identity};
 use super::launcher::request_flush;
 use super::segment::{directory_locked, segment, Segment, EXCLUSIVE, SHARED};
@@ -26,6 +27,7 @@ use pgrx::pg_sys;
 use stage_e_core::arena;
 use stage_e_core::directory;
 use stage_e_core::lease::token_base;
+use stage_e_core::lifecycle;
 use stage_e_core::state::CapRef;
 use std::sync::atomic::Ordering;
 
@@ -55,11 +57,12 @@ pub fn cap_key(name: &str) -> i32 {
 }
 
 impl CapEntry {
-    /// Nothing refers to the cap but its entry: no flush, no waiter, nothing pending.
+    /// Nothing refers to the cap but its entry: no flush, no waiter, nothing pending, no hold.
     fn idle(&self) -> bool {
         self.flusher.load(Ordering::Acquire) == 0
             && self.waiters.load(Ordering::Acquire) == 0
             && self.pending().is_zero()
+            && !self.held_at(now())
     }
 }
 
@@ -149,7 +152,11 @@ impl Segment {
         e.state.lock();
         e.set_block(block, arena::capacity(order));
         self.clear_block(e);
-        e.start_tokens(token_base(now()));
+        e.clear_durable();
+        e.start_tokens(lifecycle::token_start(
+            token_base(now()),
+            durable::min_token(db),
+        ));
         let hash = directory::index_hash(db, name);
         e.set_identity(Identity {
             database: db,
@@ -211,7 +218,7 @@ impl Segment {
         let busy = self.occupied(e)
             || e.flusher.load(Ordering::Acquire) != 0
             || e.waiters.load(Ordering::Acquire) != 0
-            || (!dropped && !e.pending().is_zero());
+            || (!dropped && (!e.pending().is_zero() || e.held_at(now())));
         if busy {
             e.state.unlock();
             return false;
@@ -231,6 +238,10 @@ impl Segment {
                 e.name(),
                 e.database(),
             );
+        }
+        if !dropped {
+            // Made again later, the cap's tokens must start above this one's.
+            durable::retire_tokens(e.database(), e.last_token());
         }
         self.index().remove(e.hash(), i, |o| self.entry(o).hash());
         self.buddy().free(e.block().0);
@@ -357,6 +368,21 @@ pub(super) fn create_at_start(
     Ok(seg.entry(cap.entry))
 }
 
+/// Restores a cap at start with room for `slots` slots, pinned (counted: the postmaster has no
+/// hazard slot).
+pub(super) fn restore_at_start(
+    seg: &Segment,
+    db: u32,
+    name: &str,
+    slots: u32,
+) -> Result<Cap, CapError> {
+    let cap = seg.create(db, name, cap_key(name), slots.max(1), &|_| true)?;
+    seg.grow(cap, slots)?;
+    seg.entry(cap.entry)
+        .pin_counted(cap)
+        .ok_or(CapError::Busy)
+}
+
 /// Moves `cap` to a block with room for `slots` slots (its holders keep theirs).
 pub fn grow(cap: CapRef, slots: u32) -> Result<(), CapError> {
     let Some(seg) = segment() else { return Ok(()) };
@@ -373,6 +399,9 @@ pub fn reclaim_database(db: u32) {
             }
         }
     });
+    if !seg.live().any(|e| e.database() == db) {
+        durable::forget_database(db);
+    }
 }
 
 /// The caps of database `db`, unpinned: pin each with `pin` while using it.

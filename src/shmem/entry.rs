@@ -5,12 +5,14 @@
 //! exclusive directory lock with the entry LOCKED (`caps`), so a process holding a pin (`pin`)
 //! reads them without a lock. The other fields have protocols of their own, each in the file of
 //! its concern: the counters and the flush seqlock (`counters`), the waiters and the front
-//! seats (`waitq`), the lease fields (`leases`), the load averages (`load`).
+//! seats (`waitq`), the lease fields (`leases`), the load averages (`load`), the durable
+//! horizon, floor and hold (`durable`).
 //!
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
 
 use super::counters::{Counters, HotCounters};
+use super::durable::Durable;
 use stage_e_core::front::Front;
 use stage_e_core::load::Averages;
 use stage_e_core::state::State;
@@ -62,10 +64,12 @@ pub(super) struct CapEntry {
     /// The id of the cap's last settled flush, whose delta `inflight` still holds (0 = none;
     /// `counters`). Rarely written, so it takes the padding after the load averages.
     pub(super) settled_id: AtomicU64,
+    /// The committed lease horizon and token floor, the hold, the journal (`durable`).
+    pub(super) durable: Durable,
 }
 
-/// 704 bytes: eleven cache lines. A change here is a change of the memory budget (README).
-const _: () = assert!(size_of::<CapEntry>() == 704);
+/// 768 bytes: twelve cache lines. A change here is a change of the memory budget (README).
+const _: () = assert!(size_of::<CapEntry>() == 768);
 
 /// An entry's identity, as `caps` writes it.
 pub(super) struct Identity<'a> {

@@ -38,7 +38,13 @@ pub fn request_flush() {
     let Some(seg) = segment() else { return };
     let l = &seg.header.launcher;
     l.flush_requested.store(1, Ordering::Release);
-    let proc_ = l.proc_.load(Ordering::Acquire);
+    wake();
+}
+
+/// Sets the launcher's latch.
+pub(super) fn wake() {
+    let Some(seg) = segment() else { return };
+    let proc_ = seg.header.launcher.proc_.load(Ordering::Acquire);
     if !proc_.is_null() {
         // SAFETY: a PGPROC lives in shared memory for the server's lifetime; setting the latch
         // of a process that has since exited wakes at worst an unrelated process once.

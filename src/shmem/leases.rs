@@ -15,7 +15,12 @@
 //! lease is ever left out of it.
 //!
 //! **Tokens.** Every acquisition, session slot or lease, takes the next value of the cap's
-//! `last_token`, started from the clock when the entry is made (`stage_e_core::lease`).
+//! `last_token`, started when the entry is made above the clock-based base and above every
+//! durable floor known for its database (`stage_e_core::lease`, `stage_e_core::lifecycle`).
+//!
+//! **Restored leases.** A lease an earlier server granted is put back on its own slot with its
+//! own token (`restore_lease`): at start from the lease file of a clean shutdown, by the loader
+//! from the journal after a crash or a promotion. Its record names pid 0 (no live backend).
 
 use super::entry::CapEntry;
 use super::pin::pin;
@@ -66,6 +71,10 @@ pub enum LeaseCheck {
 }
 
 impl LeaseRecord {
+    pub(super) fn is_live(&self) -> bool {
+        self.state.is_live()
+    }
+
     fn info(&self) -> LeaseInfo {
         LeaseInfo {
             slot: self.slot.load(Ordering::Relaxed),
@@ -89,6 +98,11 @@ impl LeaseRecord {
 }
 
 impl CapEntry {
+    /// The cap's last token.
+    pub(super) fn last_token(&self) -> u64 {
+        self.counters.last_token.load(Ordering::Acquire)
+    }
+
     /// Under the exclusive directory lock, creating: the cap's first token and no lease.
     pub(super) fn start_tokens(&self, base: u64) {
         self.counters.last_token.store(base, Ordering::Relaxed);
@@ -107,6 +121,14 @@ impl Cap {
             + 1
     }
 
+    /// Restored at start: the cap's counter reached `last_token` on the server that saved it.
+    pub fn restore_tokens(&self, last_token: u64) {
+        self.entry()
+            .counters
+            .last_token
+            .fetch_max(last_token, Ordering::AcqRel);
+    }
+
     /// Live leases of this cap.
     pub fn lease_count(&self) -> u32 {
         self.entry().counters.leases.load(Ordering::Acquire)
@@ -120,9 +142,34 @@ impl Cap {
     /// Records a lease on `slot`, whose bit the caller has claimed; false when every lease
     /// record is in use.
     pub fn start_lease(&self, slot: u32, token: u64, now: i64, expires_at: i64) -> bool {
-        let Some(seg) = segment() else { return false };
         // SAFETY: this process's pid, set at start.
         let pid = unsafe { pg_sys::MyProcPid };
+        self.record_lease(pid, slot, token, now, expires_at)
+    }
+
+    /// Puts back a lease an earlier server granted (from the lease file, or the journal after a
+    /// crash): its slot, token and expiry, taken by no live backend (pid 0). False if the slot
+    /// is beyond the cap's block, already taken, or every lease record is in use.
+    pub fn restore_lease(&self, slot: u32, token: u64, acquired_at: i64, expires_at: i64) -> bool {
+        if slot >= self.capacity() {
+            return false;
+        }
+        let Some(claim) = occupancy::claim_first_free(self.bits(), slot, slot + 1) else {
+            return false;
+        };
+        if !self.record_lease(0, slot, token, acquired_at, expires_at) {
+            return false; // dropping the claim clears the bit
+        }
+        claim.keep();
+        self.entry()
+            .counters
+            .last_token
+            .fetch_max(token, Ordering::AcqRel);
+        true
+    }
+
+    fn record_lease(&self, pid: i32, slot: u32, token: u64, now: i64, expires_at: i64) -> bool {
+        let Some(seg) = segment() else { return false };
         let len = seg.leases.len();
         let from = pid.unsigned_abs() as usize % len.max(1);
         let Some(i) = (from..len)
@@ -145,6 +192,7 @@ impl Cap {
         self.record(slot).set(lease::marker(i), now);
         // Last: see "Expiry bound".
         counters.lease_due.fetch_min(expires_at, Ordering::SeqCst);
+        self.note_lease_change();
         true
     }
 
@@ -179,6 +227,7 @@ impl Cap {
         occupancy::clear(self.bits(), info.slot);
         self.entry().counters.leases.fetch_sub(1, Ordering::AcqRel);
         r.state.free();
+        self.note_lease_change();
         self.wake_front();
         info
     }
@@ -209,6 +258,7 @@ impl Cap {
                         .lease_due
                         .fetch_min(t, Ordering::SeqCst);
                     r.state.publish();
+                    self.note_lease_change();
                     LeaseCheck::Live(info)
                 }
                 None => LeaseCheck::Live(self.end_lease(r)),

@@ -10,7 +10,8 @@
 //! - `waitq`: a cap's queue of waiters;
 //! - `leases`: slots held by a token, and fencing tokens;
 //! - `load`: load averages, sampled by the launcher;
-//! - `persist`: pending counts across a clean restart;
+//! - `durable`: the committed lease horizon and token floor, holds, databases loaded;
+//! - `persist`: pending counts and leases across a clean restart;
 //! - `launcher`: waking the background launcher, flush ids.
 //!
 //! Outside this folder, shared memory is reached only through a pinned [`Cap`] and the
@@ -18,6 +19,7 @@
 
 mod caps;
 mod counters;
+mod durable;
 mod entry;
 mod launcher;
 mod leases;
@@ -34,6 +36,11 @@ pub use caps::{
 #[cfg(any(test, feature = "pg_test"))]
 pub use caps::{pin_state, reclaim_now};
 pub use counters::Flushed;
+pub use durable::{
+    advance_requested, any_lease_live, databases_to_load, databases_with_horizon_work, loaded,
+    mark_loaded, note_recovered, recorded_databases, recovered_at, request_advance, request_load,
+    start_kind, MAX_DATABASES,
+};
 pub use launcher::{launcher_wakeup, next_flush_id};
 pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo};
 pub use load::{load_of, sample_load, Load};

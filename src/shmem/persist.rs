@@ -1,19 +1,30 @@
-//! Pending counts across a clean restart: written at postmaster shutdown, read back at start,
-//! as pg_stat_statements keeps its dump in `pg_stat/`. The file format is
-//! `stage_e_core::counters::{encode, decode}`.
+//! Pending counts and leases across a clean restart: written at postmaster shutdown, read back
+//! at start, as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
+//! `stage_e_core::counters::{encode, decode}` and `stage_e_core::lifecycle::LeaseFile`.
 //!
-//! Only the postmaster touches the file: at a clean shutdown (exit code 0) every backend and
-//! worker is gone, so each cap's pending counts are final; at start (and after a crash reset)
-//! no backend runs yet. A crash writes nothing: at most one flush interval of counts is lost,
-//! as documented. The file is removed once read, so it is never applied twice.
+//! Only the postmaster touches the files: at a clean shutdown (exit code 0) every backend and
+//! worker is gone, so each cap's pending counts, token counter and leases are final; at start
+//! (and after a crash reset) no backend runs yet. A crash writes nothing: at most one flush
+//! interval of counts is lost, as documented, and the leases are covered by the durable horizon
+//! instead (`durable`). Each file is removed once read, so it is never applied twice, and a
+//! crash after a clean start finds no lease file: that is how a crash is told from a clean start.
 
-use super::caps::create_at_start;
+use super::caps::{create_at_start, restore_at_start};
+use super::pin::pin;
 use super::segment::{segment, Segment};
+use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
+use stage_e_core::lifecycle::{LeaseFile, SavedCap, SavedLease, StartKind};
 
 /// In the data directory (the postmaster's working directory).
 const PENDING_FILE: &str = "pg_stat/stage_e_slots.pending";
+const LEASE_FILE: &str = "pg_stat/stage_e_slots.leases";
+
+/// The server's major version, stamped into the lease file.
+fn major() -> u32 {
+    pg_sys::PG_VERSION_NUM / 10_000
+}
 
 /// At start: the counts saved at the last clean shutdown become each cap's carried counts.
 pub(super) fn restore_pending(seg: &Segment) {
@@ -39,18 +50,92 @@ pub(super) fn restore_pending(seg: &Segment) {
     }
 }
 
-/// Registers [`save_pending`] to run at postmaster exit.
+/// At start: how this segment begins. After a clean shutdown of a primary, its leases and
+/// token counters are put back exactly; a standby (or an archive recovery) takes none, since
+/// its end is a promotion and the durable horizon covers that.
+pub(super) fn restore_leases(seg: &Segment) -> StartKind {
+    let text = std::fs::read_to_string(LEASE_FILE);
+    let _ = std::fs::remove_file(LEASE_FILE);
+    let standby = ["standby.signal", "recovery.signal"]
+        .iter()
+        .any(|f| std::path::Path::new(f).exists());
+    if standby {
+        if text.is_ok() {
+            pgrx::log!(
+                "stage_e_slots: not restoring the leases of {LEASE_FILE}: this server starts \
+                 in recovery; they are held back from the durable lease horizon when it is \
+                 promoted"
+            );
+        }
+        return StartKind::Standby;
+    }
+    let Ok(text) = text else {
+        return StartKind::Crash;
+    };
+    let file = match LeaseFile::decode(&text, major()) {
+        Ok(file) => file,
+        Err(e) => {
+            pgrx::log!(
+                "stage_e_slots: ignoring {LEASE_FILE}: {e}; starting as after a crash (caps \
+                 whose durable lease horizon is in the future are held back until it)"
+            );
+            return StartKind::Crash;
+        }
+    };
+    let mut lost = 0;
+    for c in &file.caps {
+        match restore_at_start(seg, c.database, &c.cap, c.capacity) {
+            Ok(cap) => cap.restore_tokens(c.last_token),
+            Err(e) => pgrx::log!(
+                "stage_e_slots: could not restore cap \"{}\" of database {}: {e:?}",
+                c.cap,
+                c.database
+            ),
+        }
+    }
+    for l in &file.leases {
+        let restored = restore_at_start(seg, l.database, &l.cap, l.slot + 1)
+            .is_ok_and(|cap| cap.restore_lease(l.slot, l.token, l.acquired_at, l.expires_at));
+        if !restored {
+            lost += 1;
+        }
+    }
+    if lost > 0 {
+        // Fail closed: what could not be put back is covered by the durable horizon.
+        pgrx::log!(
+            "stage_e_slots: could not restore {lost} of the {} leases of {LEASE_FILE}; starting \
+             as after a crash",
+            file.leases.len()
+        );
+        return StartKind::Crash;
+    }
+    if !file.leases.is_empty() {
+        pgrx::log!(
+            "stage_e_slots: restored {} lease(s) of {} cap(s) from {LEASE_FILE}",
+            file.leases.len(),
+            file.caps.len()
+        );
+    }
+    StartKind::Clean
+}
+
+/// Registers [`save_at_exit`] to run at postmaster exit.
 pub(super) fn save_at_shutdown() {
     // SAFETY: called by the postmaster from the startup hook; the callback runs at its exit.
-    unsafe { pg_sys::on_shmem_exit(Some(save_pending), pg_sys::Datum::from(0)) };
+    unsafe { pg_sys::on_shmem_exit(Some(save_at_exit), pg_sys::Datum::from(0)) };
 }
 
 #[pgrx::pg_guard]
-unsafe extern "C-unwind" fn save_pending(code: i32, _arg: pg_sys::Datum) {
+unsafe extern "C-unwind" fn save_at_exit(code: i32, _arg: pg_sys::Datum) {
     if code != 0 {
         return;
     }
     let Some(seg) = segment() else { return };
+    save_pending(seg);
+    save_leases(seg);
+}
+
+fn save_pending(seg: &Segment) {
     let pending: Vec<Carried> = seg
         .live()
         .map(|e| Carried {
@@ -63,14 +148,63 @@ unsafe extern "C-unwind" fn save_pending(code: i32, _arg: pg_sys::Datum) {
     if pending.is_empty() {
         return;
     }
-    let tmp = format!("{PENDING_FILE}.tmp");
-    let written = std::fs::write(&tmp, counters::encode(&pending))
-        .and_then(|()| std::fs::rename(&tmp, PENDING_FILE));
-    match written {
-        Ok(()) => pgrx::log!(
+    if write_file(PENDING_FILE, &counters::encode(&pending)) {
+        pgrx::log!(
             "stage_e_slots: saved pending counters of {} cap(s) to {PENDING_FILE}",
             pending.len()
-        ),
-        Err(e) => pgrx::warning!("stage_e_slots: could not write {PENDING_FILE}: {e}"),
+        );
+    }
+}
+
+/// Always written at a clean shutdown, also with no lease: its presence marks the start as
+/// clean.
+fn save_leases(seg: &Segment) {
+    let mut file = LeaseFile::default();
+    for (i, e) in seg.entries.iter().enumerate() {
+        if !e.in_use() {
+            continue;
+        }
+        let Some(cap): Option<Cap> = pin(e.state.cap_ref(i as u32)) else {
+            continue;
+        };
+        file.caps.push(SavedCap {
+            database: cap.database(),
+            cap: cap.name(),
+            last_token: e.last_token(),
+            capacity: cap.capacity(),
+        });
+        file.leases.extend(cap.leases().into_iter().map(|l| SavedLease {
+            database: cap.database(),
+            cap: cap.name(),
+            slot: l.slot,
+            token: l.token,
+            acquired_at: l.acquired_at,
+            expires_at: l.expires_at,
+        }));
+    }
+    if write_file(LEASE_FILE, &file.encode(major())) && !file.leases.is_empty() {
+        pgrx::log!(
+            "stage_e_slots: saved {} lease(s) to {LEASE_FILE}",
+            file.leases.len()
+        );
+    }
+}
+
+/// Writes `path` whole or not at all (a temporary file renamed over it, synced first).
+fn write_file(path: &str, text: &str) -> bool {
+    use std::io::Write;
+    let tmp = format!("{path}.tmp");
+    let written = std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            f.write_all(text.as_bytes())?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    match written {
+        Ok(()) => true,
+        Err(e) => {
+            pgrx::warning!("stage_e_slots: could not write {path}: {e}");
+            false
+        }
     }
 }

@@ -16,7 +16,7 @@ use super::entry::{CapEntry, SlotRecord};
 use super::leases::LeaseRecord;
 use super::pin::HazardSlot;
 use super::waitq::WaiterRecord;
-use super::{launcher, persist};
+use super::{durable, launcher, persist};
 use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena::{self, Buddy};
@@ -37,6 +37,7 @@ pub(super) struct Header {
     /// The last flush id handed out (ids increase across the server).
     pub(super) last_flush_id: AtomicU64,
     pub(super) launcher: launcher::Launcher,
+    pub(super) lifecycle: durable::Lifecycle,
 }
 
 const _: () = assert!(size_of::<Header>().is_multiple_of(layout::CACHE_LINE));
@@ -178,9 +179,10 @@ unsafe extern "C-unwind" fn shmem_startup() {
     }
     // SAFETY: a flag of this process, set at start.
     if unsafe { !pg_sys::IsUnderPostmaster } {
-        // The postmaster (at start and after a crash reset): take back the counts saved at
-        // the last clean shutdown, and save them again at the next one.
+        // The postmaster (at start and after a crash reset): take back the counts and the
+        // leases saved at the last clean shutdown, and save them again at the next one.
         persist::restore_pending(seg);
+        durable::set_start_kind(persist::restore_leases(seg));
         persist::save_at_shutdown();
     }
 }

@@ -12,6 +12,7 @@
 //! - Shared memory is touched only with the cap pinned (`shmem::Cap`), so a cap is never
 //!   reclaimed or moved under a backend that is using it.
 
+pub mod durable;
 pub mod held;
 pub mod waiting;
 
@@ -55,6 +56,15 @@ pub enum SlotError {
         max_slots: u32,
     },
     BadCapName(NameError),
+    /// The durable state of this database could not be loaded since the server started.
+    NotLoaded,
+    /// The database table of `stage_e_slots.max_databases`-like records is full.
+    TooManyDatabases,
+    /// The lease horizon (or token floor) of `cap` was not made durable in time.
+    NoDurableRoom { cap: String },
+    /// A lease to `expires_at` with `token` needs an advance of the horizon first (internal:
+    /// `lease` waits for it and tries again).
+    NeedsRoom { expires_at: i64, token: u64 },
     /// A cap could not be created or grown (boxed: the error path only, and it keeps every
     /// `Result` of the hot path small).
     Cap(Box<CapFailure>),
@@ -284,14 +294,31 @@ pub fn lease(
 ) -> Result<Option<Got>, SlotError> {
     let ttl_us = check_ttl(ttl_us)?;
     let kind = Kind::Lease { ttl_us };
-    let got = match acquire(cap, n, Some(1), wait, kind) {
-        // Every lease record is live: free the expired ones of every cap, and try once more.
-        Err(SlotError::NoLeaseRecord { .. }) if expire_leases_everywhere() > 0 => {
-            acquire(cap, n, Some(1), wait, kind)
+    // A lease whose expiry the committed horizon does not cover gives its slot back and waits
+    // for the launcher's advance (the first lease of a cap, a longer ttl than before); the
+    // advance leaves a step of room, so the second try fits.
+    for _ in 0..3 {
+        let got = match acquire(cap, n, Some(1), wait, kind) {
+            // Every lease record is live: free the expired ones of every cap, and try once more.
+            Err(SlotError::NoLeaseRecord { .. }) if expire_leases_everywhere() > 0 => {
+                acquire(cap, n, Some(1), wait, kind)
+            }
+            other => other,
+        };
+        match got {
+            Err(SlotError::NeedsRoom { expires_at, token }) => {
+                let name = check_name(cap)?;
+                let Some(pinned) = existing(name) else {
+                    continue; // reclaimed meanwhile: a new cap starts over
+                };
+                durable::wait_for_room(&pinned, expires_at, token)?;
+            }
+            other => return Ok(other?.map(|t| t.first())),
         }
-        other => other,
-    };
-    Ok(got?.map(|t| t.first()))
+    }
+    Err(SlotError::NoDurableRoom {
+        cap: cap.unwrap_or_default().to_string(),
+    })
 }
 
 fn check_ttl(ttl_us: Option<i64>) -> Result<i64, SlotError> {
@@ -310,10 +337,29 @@ fn acquire(
     kind: Kind,
 ) -> Result<Option<Taken>, SlotError> {
     ready()?;
+    durable::ensure_loaded()?;
     let name = check_name(cap)?;
     let n = check_cap(n)?;
     let k = check_count(k, n)?;
     let cap = for_acquire(name, n)?;
+    cap.note_n(n);
+    let mut wait = wait;
+    if cap.held_until(session::statement_start()).is_some() {
+        // Held back after a crash or a promotion: nothing is handed out until the hold ends.
+        let started = std::time::Instant::now();
+        let deadline = match wait {
+            Wait::No => Some(started),
+            Wait::For(d) => Some(started + d),
+            Wait::Forever => None,
+        };
+        if let durable::Hold::Throttled = durable::through_hold(&cap, deadline) {
+            cap.counters().bump(Counter::Throttled, 1);
+            return Ok(None);
+        }
+        if let Wait::For(d) = wait {
+            wait = Wait::For(d.saturating_sub(started.elapsed()));
+        }
+    }
     if cap.waiters() == 0 {
         let now = session::statement_start();
         if let Some(got) = take(&cap, n, k, now, kind)? {
@@ -410,7 +456,10 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
                     Kind::Lease { ttl_us } => {
                         locks::unlock(key, slot);
                         let now = session::now();
-                        if !cap.start_lease(slot, token, now, now.saturating_add(ttl_us)) {
+                        let expires_at = now.saturating_add(ttl_us);
+                        // Dropping `claim` on an error clears the bit.
+                        durable::check_room(cap, expires_at, token)?;
+                        if !cap.start_lease(slot, token, now, expires_at) {
                             return Err(SlotError::NoLeaseRecord {
                                 max_leases: gucs::max_leases(),
                             }); // dropping `claim` clears the bit
@@ -505,6 +554,7 @@ pub fn settle_lease(
     action: LeaseAction,
 ) -> Result<LeaseOutcome, SlotError> {
     ready()?;
+    durable::ensure_loaded()?;
     let name = check_name(cap)?;
     let slot = check_slot(slot)?;
     let token = token.ok_or(SlotError::NullArgument { name: "token" })?;
@@ -517,8 +567,16 @@ pub fn settle_lease(
     let Some(cap) = existing(name) else {
         return Ok(LeaseOutcome::NotCurrent { current: None });
     };
-    let now = session::now();
-    let extend_to = ttl_us.map(|t| now.saturating_add(t));
+    let mut now = session::now();
+    let mut extend_to = ttl_us.map(|t| now.saturating_add(t));
+    if let (Some(t), Some(ttl)) = (extend_to, ttl_us) {
+        // A renewal, too, only to an expiry the committed horizon covers.
+        if durable::has_horizon() && durable::check_room(&cap, t, 0).is_err() {
+            durable::wait_for_room(&cap, t, 0)?;
+            now = session::now();
+            extend_to = Some(now.saturating_add(ttl));
+        }
+    }
     Ok(match cap.settle_lease(slot, token as u64, now, extend_to) {
         shmem::LeaseCheck::Live(info) => {
             if releasing {
@@ -722,6 +780,37 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
         }));
     }
     out.sort_by(|a, b| (&a.cap, a.slot).cmp(&(&b.cap, b.slot)));
+    Ok(out)
+}
+
+/// A cap held back after a crash or a promotion (`stage_e_held_back`).
+pub struct HeldBack {
+    pub cap: String,
+    pub until: i64,
+    pub reason: &'static str,
+}
+
+/// `stage_e_held_back`: the caps of the current database held back now; none on a standby
+/// (nothing is handed out there at all).
+pub fn held_back() -> Result<Vec<HeldBack>, SlotError> {
+    attached()?;
+    if session::in_recovery() {
+        return Ok(Vec::new());
+    }
+    durable::ensure_loaded()?;
+    let now = session::now();
+    let mut out: Vec<HeldBack> = shmem::caps(Some(session::database()))
+        .into_iter()
+        .filter_map(|c| {
+            let (until, reason) = c.held_until(now)?;
+            Some(HeldBack {
+                cap: c.name(),
+                until,
+                reason: reason.as_str(),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.cap.cmp(&b.cap));
     Ok(out)
 }
 

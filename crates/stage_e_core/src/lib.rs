@@ -13,6 +13,7 @@
 //! - `state`: a cap entry's state word (generation, lock bit, counted pins) and hazard pins;
 //! - `front`: the front seats of a cap's queue of waiters;
 //! - `lease`: a lease record's states and fencing-token arithmetic;
+//! - `lifecycle`: the durable horizon and token floor, start kinds, the lease file;
 //! - `load`: exponentially weighted load averages;
 //! - `wait`: how long a call may wait, from an interval;
 //! - `version`: the SQL schema versions the library serves.
@@ -26,6 +27,7 @@ pub mod directory;
 pub mod front;
 pub mod layout;
 pub mod lease;
+pub mod lifecycle;
 pub mod load;
 pub mod occupancy;
 pub mod state;

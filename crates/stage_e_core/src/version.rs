@@ -15,18 +15,21 @@ pub enum SchemaVersion {
     V0_4_0,
     /// Every call resolves with untyped parameters: `stage_e_try_slot(n, wait)` retired.
     V0_5_0,
+    /// Restarts, crashes and failovers: the `stage_e_lease_horizon` table, `stage_e_held_back`.
+    V0_6_0,
 }
 
 impl SchemaVersion {
     /// The version of this library's own install script.
-    pub const CURRENT: SchemaVersion = SchemaVersion::V0_5_0;
+    pub const CURRENT: SchemaVersion = SchemaVersion::V0_6_0;
 
-    pub const ALL: [SchemaVersion; 5] = [
+    pub const ALL: [SchemaVersion; 6] = [
         SchemaVersion::V0_1_0,
         SchemaVersion::V0_2_0,
         SchemaVersion::V0_3_0,
         SchemaVersion::V0_4_0,
         SchemaVersion::V0_5_0,
+        SchemaVersion::V0_6_0,
     ];
 
     /// `pg_extension.extversion` as a version; None for one this library does not know.
@@ -41,6 +44,7 @@ impl SchemaVersion {
             SchemaVersion::V0_3_0 => "0.3.0",
             SchemaVersion::V0_4_0 => "0.4.0",
             SchemaVersion::V0_5_0 => "0.5.0",
+            SchemaVersion::V0_6_0 => "0.6.0",
         }
     }
 
@@ -54,13 +58,21 @@ impl SchemaVersion {
         self >= SchemaVersion::V0_4_0
     }
 
+    /// Whether the database keeps a durable lease horizon and token floor per cap
+    /// (`stage_e_lease_horizon`): before 0.6.0 a crash or a failover frees its leases.
+    pub fn has_lease_horizon(self) -> bool {
+        self >= SchemaVersion::V0_6_0
+    }
+
     /// How many counters (of `counters::CounterValues::NAMES`, in order) its table and
     /// functions have.
     pub fn counter_columns(self) -> usize {
         match self {
             SchemaVersion::V0_1_0 | SchemaVersion::V0_2_0 => crate::counters::COUNT_0_2_0,
             SchemaVersion::V0_3_0 => crate::counters::COUNT_0_3_0,
-            SchemaVersion::V0_4_0 | SchemaVersion::V0_5_0 => crate::counters::COUNT,
+            SchemaVersion::V0_4_0 | SchemaVersion::V0_5_0 | SchemaVersion::V0_6_0 => {
+                crate::counters::COUNT
+            }
         }
     }
 }
@@ -84,12 +96,20 @@ mod unit {
         use SchemaVersion::*;
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.counter_columns()),
-            [5, 5, 9, crate::counters::COUNT, crate::counters::COUNT]
+            [
+                5,
+                5,
+                9,
+                crate::counters::COUNT,
+                crate::counters::COUNT,
+                crate::counters::COUNT
+            ]
         );
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.has_named_caps()),
-            [false, true, true, true, true]
+            [false, true, true, true, true, true]
         );
         assert!(!V0_3_0.has_leases() && V0_4_0.has_leases());
+        assert!(!V0_5_0.has_lease_horizon() && V0_6_0.has_lease_horizon());
     }
 }

@@ -1,0 +1,508 @@
+//! What must hold across a restart, a crash or a promotion (`docs/lifecycle.md`): the rules of
+//! the durable lease horizon and token floor, how a start is classified, and the two files and
+//! the journal format that carry leases over.
+//!
+//! **Horizon.** A lease (or a renewal) with expiry `E` may be granted only while
+//! `E + margin ≤ horizon`, where `horizon` is the last *committed* value of the cap's row: so
+//! after a crash or a promotion, holding the cap back until `horizon` outlasts every lease the
+//! old server granted. The row is written ahead of need ([`advance_target`]): a grant that finds
+//! less than half a step of room asks for the next advance ([`Room::Ask`]) and goes on; only one
+//! that finds none waits for it ([`Room::Wait`]).
+//!
+//! **Token floor.** Every token a lease got is ≤ the committed floor, written [`TOKEN_RESERVE`]
+//! ahead of the cap's counter; after any start a cap's counter begins above the floor and the
+//! clock-based base, whichever is higher ([`token_start`]), so tokens keep growing also when the
+//! new server's clock is behind the old one's.
+
+use std::fmt::Write as _;
+
+/// How far ahead of need the horizon is written: a cap with steady leases gets one row write
+/// per half step.
+pub const HORIZON_STEP_US: i64 = 4_000_000;
+
+/// Tokens reserved ahead of a cap's counter by each floor write (2^40: about 18 minutes of the
+/// clock-based base's rate of 1,024 tokens per microsecond, and days of acquisitions at any
+/// rate a server reaches).
+pub const TOKEN_RESERVE: u64 = 1 << 40;
+
+/// Whether a grant may go ahead against the committed horizon and floor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Room {
+    /// Granted; plenty of room left.
+    Enough,
+    /// Granted, but ask for the next advance now (less than half a step left).
+    Ask,
+    /// Not granted until an advance commits.
+    Wait,
+}
+
+/// Whether a lease with expiry `expires_at` and token `token` fits under the committed
+/// `horizon` and `floor`.
+pub fn room(expires_at: i64, margin_us: i64, token: u64, horizon: i64, floor: u64) -> Room {
+    let need = expires_at.saturating_add(margin_us);
+    if need > horizon || token > floor {
+        Room::Wait
+    } else if need.saturating_add(HORIZON_STEP_US / 2) > horizon
+        || token.saturating_add(TOKEN_RESERVE / 2) > floor
+    {
+        Room::Ask
+    } else {
+        Room::Enough
+    }
+}
+
+/// The horizon to write for a lease that needs `expires_at`: a step beyond it and the margin.
+pub fn advance_target(expires_at: i64, margin_us: i64) -> i64 {
+    expires_at
+        .saturating_add(margin_us)
+        .saturating_add(HORIZON_STEP_US)
+}
+
+/// The floor to write for a cap whose counter is at `last_token`.
+pub fn floor_target(last_token: u64) -> u64 {
+    last_token.saturating_add(TOKEN_RESERVE).min(i64::MAX as u64)
+}
+
+/// Whether the floor must be written again (less than half a reserve left).
+pub fn floor_due(last_token: u64, floor: u64) -> bool {
+    last_token.saturating_add(TOKEN_RESERVE / 2) > floor
+}
+
+/// The first token counter value of a cap made at clock `clock_base` (`lease::token_base`)
+/// whose committed floor (or its database's) is `floor`: above both, so above every token an
+/// earlier server issued, even when this server's clock is behind.
+pub fn token_start(clock_base: u64, floor: u64) -> u64 {
+    clock_base.max(floor)
+}
+
+/// How this server's shared memory began (decided once per initialisation by the postmaster).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum StartKind {
+    /// The lease file of a clean shutdown was read: leases and tokens are exact.
+    Clean = 1,
+    /// Anything else on a primary: a crash, an immediate shutdown, a missing or bad file.
+    Crash = 2,
+    /// `standby.signal` or `recovery.signal`: a standby or an archive recovery; its end is a
+    /// promotion.
+    Standby = 3,
+}
+
+impl StartKind {
+    pub fn from_u32(v: u32) -> Option<StartKind> {
+        match v {
+            1 => Some(StartKind::Clean),
+            2 => Some(StartKind::Crash),
+            3 => Some(StartKind::Standby),
+            _ => None,
+        }
+    }
+
+    /// Whether the caps must be held back until their horizon once loaded.
+    pub fn holds(self) -> bool {
+        self != StartKind::Clean
+    }
+
+    /// The reason a hold gives in `stage_e_held_back`.
+    pub fn reason(self) -> HoldReason {
+        match self {
+            StartKind::Standby => HoldReason::Promotion,
+            _ => HoldReason::Crash,
+        }
+    }
+}
+
+/// Why a cap is held back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum HoldReason {
+    Crash = 1,
+    Promotion = 2,
+    RecoveryHold = 3,
+}
+
+impl HoldReason {
+    pub fn from_u32(v: u32) -> Option<HoldReason> {
+        match v {
+            1 => Some(HoldReason::Crash),
+            2 => Some(HoldReason::Promotion),
+            3 => Some(HoldReason::RecoveryHold),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HoldReason::Crash => "crash",
+            HoldReason::Promotion => "promotion",
+            HoldReason::RecoveryHold => "recovery_hold",
+        }
+    }
+}
+
+/// A cap's hold after loading its row: the later of its horizon (if leases may be live) and
+/// the recovery hold (if it has a counter row), with the reason of the later one.
+pub fn hold_for(
+    kind: StartKind,
+    now: i64,
+    horizon: Option<i64>,
+    recovery_hold_until: Option<i64>,
+) -> Option<(i64, HoldReason)> {
+    if !kind.holds() {
+        return None;
+    }
+    let by_horizon = horizon.filter(|&h| h > now).map(|h| (h, kind.reason()));
+    let by_setting = recovery_hold_until
+        .filter(|&h| h > now)
+        .map(|h| (h, HoldReason::RecoveryHold));
+    match (by_horizon, by_setting) {
+        (Some(a), Some(b)) => Some(if b.0 > a.0 { b } else { a }),
+        (a, b) => a.or(b),
+    }
+}
+
+/// One lease as the journal and the lease file record it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JournalLease {
+    pub slot: u32,
+    pub token: u64,
+    pub expires_at: i64,
+}
+
+/// The journal of a cap's live leases, as the jsonb text its row stores:
+/// `[[slot, token, expires_at_us], …]`.
+pub fn encode_journal(leases: &[JournalLease]) -> String {
+    let mut out = String::from("[");
+    for (i, l) in leases.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(out, "[{},{},{}]", l.slot, l.token, l.expires_at);
+    }
+    out.push(']');
+    out
+}
+
+/// A saved cap: its counter and the largest n its block held.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedCap {
+    pub database: u32,
+    pub cap: String,
+    pub last_token: u64,
+    pub capacity: u32,
+}
+
+/// A saved lease.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedLease {
+    pub database: u32,
+    pub cap: String,
+    pub slot: u32,
+    pub token: u64,
+    pub acquired_at: i64,
+    pub expires_at: i64,
+}
+
+/// The lease file of a clean shutdown: every live cap's token counter and every live lease.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeaseFile {
+    pub caps: Vec<SavedCap>,
+    pub leases: Vec<SavedLease>,
+}
+
+const LEASE_FILE_HEADER: &str = "stage_e_slots leases v1";
+
+/// Why a saved file is not used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FileError {
+    /// Written by a server of another major version.
+    OtherMajor(u32),
+    /// Not in the expected format (the line, counted from 1).
+    Corrupt(usize),
+}
+
+impl std::fmt::Display for FileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FileError::OtherMajor(m) => write!(f, "it was written by PostgreSQL {m}"),
+            FileError::Corrupt(line) => write!(f, "line {line} is not in the expected format"),
+        }
+    }
+}
+
+fn hex(s: &str) -> String {
+    s.bytes().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(h: &str) -> Option<String> {
+    if !h.len().is_multiple_of(2) {
+        return None;
+    }
+    let bytes: Option<Vec<u8>> = (0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(h.get(i..i + 2)?, 16).ok())
+        .collect();
+    String::from_utf8(bytes?).ok()
+}
+
+impl LeaseFile {
+    /// The file's text, stamped with the server's major version.
+    pub fn encode(&self, major: u32) -> String {
+        let mut out = format!("{LEASE_FILE_HEADER}\nmajor {major}\n");
+        for c in &self.caps {
+            let _ = writeln!(
+                out,
+                "cap {} {} {} {}",
+                c.database,
+                hex(&c.cap),
+                c.last_token,
+                c.capacity
+            );
+        }
+        for l in &self.leases {
+            let _ = writeln!(
+                out,
+                "lease {} {} {} {} {} {}",
+                l.database,
+                hex(&l.cap),
+                l.slot,
+                l.token,
+                l.acquired_at,
+                l.expires_at
+            );
+        }
+        out.push_str("end\n");
+        out
+    }
+
+    /// Parses [`encode`](Self::encode)'s text written by a server of major `major`; a file cut
+    /// short (no `end` line), of another major or with any bad line is refused whole.
+    pub fn decode(text: &str, major: u32) -> Result<LeaseFile, FileError> {
+        let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l));
+        let corrupt = |i: usize| FileError::Corrupt(i);
+        match lines.next() {
+            Some((_, LEASE_FILE_HEADER)) => {}
+            other => return Err(corrupt(other.map_or(1, |(i, _)| i))),
+        }
+        let (i, stamp) = lines.next().ok_or(corrupt(2))?;
+        let written_by: u32 = stamp
+            .strip_prefix("major ")
+            .and_then(|m| m.parse().ok())
+            .ok_or(corrupt(i))?;
+        if written_by != major {
+            return Err(FileError::OtherMajor(written_by));
+        }
+        let mut file = LeaseFile::default();
+        for (i, line) in lines {
+            let w: Vec<&str> = line.split(' ').collect();
+            let parsed = match w.as_slice() {
+                ["end"] => return Ok(file),
+                ["cap", db, name, token, capacity] => (|| {
+                    file.caps.push(SavedCap {
+                        database: db.parse().ok()?,
+                        cap: unhex(name)?,
+                        last_token: token.parse().ok()?,
+                        capacity: capacity.parse().ok()?,
+                    });
+                    Some(())
+                })(),
+                ["lease", db, name, slot, token, acquired, expires] => (|| {
+                    file.leases.push(SavedLease {
+                        database: db.parse().ok()?,
+                        cap: unhex(name)?,
+                        slot: slot.parse().ok()?,
+                        token: token.parse().ok()?,
+                        acquired_at: acquired.parse().ok()?,
+                        expires_at: expires.parse().ok()?,
+                    });
+                    Some(())
+                })(),
+                _ => None,
+            };
+            parsed.ok_or(corrupt(i))?;
+        }
+        Err(corrupt(text.lines().count() + 1))
+    }
+}
+
+#[cfg(test)]
+mod unit {
+    use super::*;
+    use crate::lease::token_base;
+
+    const S: i64 = 1_000_000;
+
+    #[test]
+    fn a_grant_fits_under_the_horizon_with_its_margin_or_waits() {
+        let (margin, floor) = (2 * S, 1_000);
+        // Exactly at the horizon with the margin: granted, but the next advance is asked for.
+        assert_eq!(room(100 * S, margin, 10, 102 * S, floor), Room::Ask);
+        assert_eq!(room(100 * S + 1, margin, 10, 102 * S, floor), Room::Wait);
+        assert_eq!(
+            room(100 * S, margin, 10, 102 * S + HORIZON_STEP_US, TOKEN_RESERVE),
+            Room::Enough
+        );
+        // A token past the floor waits too, whatever the horizon.
+        assert_eq!(room(0, 0, floor + 1, i64::MAX, floor), Room::Wait);
+        // The target of an advance leaves a whole step of room.
+        let e = 100 * S;
+        let t = advance_target(e, margin);
+        assert_eq!(room(e, margin, 10, t, TOKEN_RESERVE), Room::Enough);
+        assert_eq!(
+            room(e + HORIZON_STEP_US / 2 + 1, margin, 10, t, TOKEN_RESERVE),
+            Room::Ask
+        );
+        // No overflow at the ends of the range.
+        assert_eq!(room(i64::MAX, i64::MAX, 0, i64::MAX, 0), Room::Ask);
+        assert_eq!(advance_target(i64::MAX - 1, S), i64::MAX);
+    }
+
+    #[test]
+    fn the_floor_is_written_a_reserve_ahead_and_again_at_half_of_it() {
+        let last = token_base(1_800_000_000 * S);
+        let floor = floor_target(last);
+        assert_eq!(floor - last, TOKEN_RESERVE);
+        assert!(!floor_due(last, floor));
+        assert!(!floor_due(last + TOKEN_RESERVE / 2, floor));
+        assert!(floor_due(last + TOKEN_RESERVE / 2 + 1, floor));
+        // Never past what an int8 column holds.
+        assert_eq!(floor_target(u64::MAX - 5), i64::MAX as u64);
+        // The reserve is under the headroom of the token range for centuries of clock.
+        assert!(token_base(4_000_000_000 * S) + TOKEN_RESERVE < i64::MAX as u64);
+    }
+
+    /// The server issues tokens up to its committed floor, crashes, and a new one starts with a
+    /// clock an hour *behind*: its first token is still above every earlier one.
+    #[test]
+    fn tokens_keep_growing_when_the_new_servers_clock_is_behind() {
+        let old_clock = 1_800_000_000 * S;
+        let mut last = token_base(old_clock);
+        let mut floor = 0;
+        let mut issued = Vec::new();
+        for i in 0..10_000u64 {
+            last += 1 + i % 3;
+            if floor_due(last, floor) {
+                floor = floor_target(last); // the committed write
+            }
+            assert!(last <= floor, "no token past the committed floor");
+            issued.push(last);
+        }
+        let behind = old_clock - 3_600 * S;
+        let start = token_start(token_base(behind), floor);
+        let next = start + 1;
+        assert!(issued.iter().all(|&t| t < next));
+        // With the clock ahead, the clock wins (tokens stay clock-like).
+        let ahead = token_base(old_clock + 3_600 * S);
+        assert_eq!(token_start(ahead, floor), ahead);
+        // A cap never seen before (floor 0) starts at the clock.
+        assert_eq!(token_start(token_base(behind), 0), token_base(behind));
+    }
+
+    #[test]
+    fn holds_come_from_the_horizon_or_the_recovery_hold_whichever_is_later() {
+        let now = 1_000 * S;
+        assert_eq!(
+            hold_for(StartKind::Clean, now, Some(now + S), Some(now + S)),
+            None
+        );
+        assert_eq!(
+            hold_for(StartKind::Crash, now, Some(now + 5 * S), None),
+            Some((now + 5 * S, HoldReason::Crash))
+        );
+        assert_eq!(
+            hold_for(StartKind::Standby, now, Some(now + 5 * S), Some(now + 9 * S)),
+            Some((now + 9 * S, HoldReason::RecoveryHold))
+        );
+        assert_eq!(
+            hold_for(StartKind::Standby, now, Some(now + 5 * S), Some(now + S)),
+            Some((now + 5 * S, HoldReason::Promotion))
+        );
+        // A horizon already passed holds nothing: a cap with no lease outstanding is free.
+        assert_eq!(hold_for(StartKind::Crash, now, Some(now - 1), None), None);
+        assert_eq!(hold_for(StartKind::Crash, now, None, None), None);
+        for r in [
+            HoldReason::Crash,
+            HoldReason::Promotion,
+            HoldReason::RecoveryHold,
+        ] {
+            assert_eq!(HoldReason::from_u32(r as u32), Some(r));
+        }
+        for k in [StartKind::Clean, StartKind::Crash, StartKind::Standby] {
+            assert_eq!(StartKind::from_u32(k as u32), Some(k));
+        }
+    }
+
+    #[test]
+    fn the_journal_is_json_arrays_of_integers() {
+        let j = encode_journal(&[
+            JournalLease {
+                slot: 0,
+                token: 1 << 62,
+                expires_at: 851_000_000_000_000,
+            },
+            JournalLease {
+                slot: 7,
+                token: 3,
+                expires_at: -1,
+            },
+        ]);
+        assert_eq!(
+            j,
+            "[[0,4611686018427387904,851000000000000],[7,3,-1]]".to_string()
+        );
+        assert_eq!(encode_journal(&[]), "[]");
+    }
+
+    fn sample() -> LeaseFile {
+        LeaseFile {
+            caps: vec![
+                SavedCap {
+                    database: 5,
+                    cap: "jobs".into(),
+                    last_token: 1 << 61,
+                    capacity: 15,
+                },
+                SavedCap {
+                    database: 5,
+                    cap: "with space é".into(),
+                    last_token: 9,
+                    capacity: 1023,
+                },
+            ],
+            leases: vec![SavedLease {
+                database: 5,
+                cap: "with space é".into(),
+                slot: 3,
+                token: 9,
+                acquired_at: -5,
+                expires_at: 851_000_000_000_000,
+            }],
+        }
+    }
+
+    #[test]
+    fn the_lease_file_round_trips_and_refuses_anything_else() {
+        let f = sample();
+        let text = f.encode(18);
+        assert_eq!(LeaseFile::decode(&text, 18), Ok(f));
+        assert_eq!(
+            LeaseFile::decode(&text, 15),
+            Err(FileError::OtherMajor(18))
+        );
+        // Cut short, garbled, or empty: refused whole.
+        let cut = &text[..text.len() - 4];
+        assert!(matches!(
+            LeaseFile::decode(cut, 18),
+            Err(FileError::Corrupt(_))
+        ));
+        let garbled = text.replace("lease 5", "lease x");
+        assert_eq!(LeaseFile::decode(&garbled, 18), Err(FileError::Corrupt(5)));
+        assert_eq!(LeaseFile::decode("", 18), Err(FileError::Corrupt(1)));
+        assert_eq!(
+            LeaseFile::decode("\u{0}\u{1}garbage", 18),
+            Err(FileError::Corrupt(1))
+        );
+        let empty = LeaseFile::default();
+        assert_eq!(LeaseFile::decode(&empty.encode(15), 15), Ok(empty));
+    }
+}

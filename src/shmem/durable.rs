@@ -1,0 +1,407 @@
+//! What shared memory knows of the durable state that outlives it (`docs/lifecycle.md`): each
+//! cap's committed lease horizon and token floor, its hold after a crash or a promotion, the
+//! lease journal's bookkeeping; and per database, whether its rows have been loaded since this
+//! segment was made.
+//!
+//! **Committed values only.** `horizon` and `floor` are stored only by the flusher after the
+//! transaction that wrote them committed (`publish`), and only grow, so a grant that checked
+//! against them (`stage_e_core::lifecycle::room`) is covered by what is on disk. Wishes
+//! (`horizon_wanted`) are raised by any backend with `fetch_max` and read by the flusher.
+//!
+//! **Holds.** `held_until` is set once, by the loader, before the database is marked loaded;
+//! no backend acquires in a database before it is loaded (`loaded`), so every acquisition sees
+//! the hold. A held cap is not idle, so it is not reclaimed while held.
+//!
+//! **Databases.** A fixed table of [`MAX_DATABASES`] records in the header: a record is claimed
+//! by CAS on its oid (0 = free) and freed by the launcher when its database is dropped. A
+//! database's state goes UNLOADED → REQUESTED (a backend asks) → LOADED (the flusher loaded its
+//! rows, or found it has no table), and never back while the segment lives.
+
+use super::entry::CapEntry;
+use super::segment::segment;
+use super::Cap;
+use stage_e_core::lifecycle::{self, HoldReason, Room, StartKind};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+/// Databases that can use the extension at once on one server.
+pub const MAX_DATABASES: usize = 128;
+
+const UNLOADED: u32 = 0;
+const REQUESTED: u32 = 1;
+const LOADED: u32 = 2;
+/// LOADED, and the database has the durable table (its version is 0.6.0 or later).
+const LOADED_WITH_TABLE: u32 = 3;
+
+/// A cap's durable bookkeeping: one cache line, read by every lease grant.
+#[repr(C, align(64))]
+pub(super) struct Durable {
+    /// The committed lease horizon (µs; 0 = none yet).
+    horizon: AtomicI64,
+    /// The horizon a grant asked for.
+    horizon_wanted: AtomicI64,
+    /// The committed token floor.
+    floor: AtomicU64,
+    /// Held back until then (0 = not held), and why (`HoldReason`).
+    held_until: AtomicI64,
+    held_reason: AtomicU32,
+    /// The n of the cap's latest acquisition.
+    n: AtomicU32,
+    /// Bumped by every lease change; the value the last committed journal write saw, and when.
+    lease_changes: AtomicU64,
+    journal_written: AtomicU64,
+    journal_at: AtomicI64,
+}
+
+/// One database's record.
+#[repr(C)]
+pub(super) struct DbRecord {
+    oid: AtomicU32,
+    state: AtomicU32,
+    /// Every cap made in this database starts its tokens above this (the highest floor loaded,
+    /// and the counters of its reclaimed caps).
+    min_token: AtomicU64,
+}
+
+/// The header's lifecycle fields.
+#[repr(C)]
+pub(super) struct Lifecycle {
+    start_kind: AtomicU32,
+    /// Set when a backend asks for an advance or a load: the launcher runs flushers at once.
+    requested: AtomicU32,
+    /// When recovery ended (the launcher's first start on this segment): a crash's or a
+    /// promotion's time for `stage_e_slots.recovery_hold`.
+    recovered_at: AtomicI64,
+    dbs: [DbRecord; MAX_DATABASES],
+}
+
+/// What the flusher writes for one cap.
+#[derive(Clone, Debug)]
+pub struct HorizonWrite {
+    pub horizon: i64,
+    pub floor: u64,
+    pub n: u32,
+    /// The journal of the cap's live leases, and the change count it covers.
+    pub journal: (Vec<lifecycle::JournalLease>, u64),
+}
+
+impl CapEntry {
+    /// Under the exclusive directory lock, creating: nothing durable is known yet.
+    pub(super) fn clear_durable(&self) {
+        let d = &self.durable;
+        for a in [&d.horizon, &d.horizon_wanted, &d.held_until, &d.journal_at] {
+            a.store(0, Ordering::Relaxed);
+        }
+        for a in [&d.floor, &d.lease_changes, &d.journal_written] {
+            a.store(0, Ordering::Relaxed);
+        }
+        d.held_reason.store(0, Ordering::Relaxed);
+        d.n.store(0, Ordering::Relaxed);
+    }
+
+    /// Held back at `now`: not idle, so never reclaimed while the hold lasts.
+    pub(super) fn held_at(&self, now: i64) -> bool {
+        self.durable.held_until.load(Ordering::Acquire) > now
+    }
+
+    /// Whether the flusher has something to write for this cap at `now`.
+    pub(super) fn horizon_due(&self, now: i64, journal_every_us: i64) -> bool {
+        let d = &self.durable;
+        d.horizon_wanted.load(Ordering::Acquire) > d.horizon.load(Ordering::Acquire)
+            || lifecycle::floor_due(
+                self.counters.last_token.load(Ordering::Relaxed),
+                d.floor.load(Ordering::Acquire),
+            )
+            || (d.lease_changes.load(Ordering::Acquire) != d.journal_written.load(Ordering::Acquire)
+                && now - d.journal_at.load(Ordering::Relaxed) >= journal_every_us)
+    }
+}
+
+impl Cap {
+    /// Until when (and why) the cap is held back, if it is at `now`.
+    #[inline]
+    pub fn held_until(&self, now: i64) -> Option<(i64, HoldReason)> {
+        let d = &self.entry().durable;
+        let until = d.held_until.load(Ordering::Acquire);
+        if until <= now {
+            return None;
+        }
+        let reason = HoldReason::from_u32(d.held_reason.load(Ordering::Relaxed))?;
+        Some((until, reason))
+    }
+
+    /// The loader: holds the cap back until `until` (the later hold wins).
+    pub fn hold(&self, until: i64, reason: HoldReason) {
+        let d = &self.entry().durable;
+        if until > d.held_until.load(Ordering::Relaxed) {
+            d.held_reason.store(reason as u32, Ordering::Relaxed);
+            d.held_until.store(until, Ordering::Release);
+        }
+    }
+
+    /// Whether a lease to `expires_at` with `token` fits under the committed horizon and floor;
+    /// asks for an advance when it (nearly) does not.
+    pub fn room(&self, expires_at: i64, token: u64, margin_us: i64) -> Room {
+        let d = &self.entry().durable;
+        let room = lifecycle::room(
+            expires_at,
+            margin_us,
+            token,
+            d.horizon.load(Ordering::Acquire),
+            d.floor.load(Ordering::Acquire),
+        );
+        if room != Room::Enough {
+            d.horizon_wanted.fetch_max(
+                lifecycle::advance_target(expires_at, margin_us),
+                Ordering::AcqRel,
+            );
+            request_advance();
+        }
+        room
+    }
+
+    /// Records the n of an acquisition (for the row's `n`).
+    #[inline]
+    pub fn note_n(&self, n: u32) {
+        let d = &self.entry().durable;
+        if d.n.load(Ordering::Relaxed) != n {
+            d.n.store(n, Ordering::Relaxed);
+        }
+    }
+
+    /// A lease of this cap started, changed or ended: the journal is stale.
+    pub(super) fn note_lease_change(&self) {
+        self.entry()
+            .durable
+            .lease_changes
+            .fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The flusher: what to write for this cap at `now`, if anything.
+    pub fn horizon_write(&self, now: i64, journal_every_us: i64) -> Option<HorizonWrite> {
+        let e = self.entry();
+        if !e.horizon_due(now, journal_every_us) {
+            return None;
+        }
+        let d = &e.durable;
+        // The count first: a change made while the leases are read is written next time.
+        let changes = d.lease_changes.load(Ordering::Acquire);
+        let leases = self
+            .leases()
+            .into_iter()
+            .map(|l| lifecycle::JournalLease {
+                slot: l.slot,
+                token: l.token,
+                expires_at: l.expires_at,
+            })
+            .collect();
+        let journal = (leases, changes);
+        let last = e.counters.last_token.load(Ordering::Acquire);
+        let floor = d.floor.load(Ordering::Acquire);
+        Some(HorizonWrite {
+            horizon: d
+                .horizon_wanted
+                .load(Ordering::Acquire)
+                .max(d.horizon.load(Ordering::Acquire))
+                .max(now),
+            floor: if lifecycle::floor_due(last, floor) {
+                lifecycle::floor_target(last)
+            } else {
+                floor
+            },
+            n: d.n.load(Ordering::Relaxed).max(1),
+            journal,
+        })
+    }
+
+    /// The flusher, after its transaction committed: the row now holds `horizon` and `floor`
+    /// (and the journal of change count `journal`, written at `now`).
+    pub fn publish(&self, horizon: i64, floor: u64, journal: u64, now: i64) {
+        let d = &self.entry().durable;
+        d.floor.fetch_max(floor, Ordering::AcqRel);
+        d.horizon.fetch_max(horizon, Ordering::AcqRel);
+        d.journal_written.fetch_max(journal, Ordering::AcqRel);
+        d.journal_at.store(now, Ordering::Relaxed);
+    }
+
+    /// The loader: the cap's row says its tokens reached at most `floor`; start above it.
+    pub fn load_floor(&self, floor: u64) {
+        let e = self.entry();
+        e.counters.last_token.fetch_max(floor, Ordering::AcqRel);
+        e.durable.floor.fetch_max(floor, Ordering::AcqRel);
+    }
+}
+
+/// Asks the launcher to run the flushers that advance horizons or load databases, now.
+pub fn request_advance() {
+    let Some(seg) = segment() else { return };
+    seg.header
+        .lifecycle
+        .requested
+        .store(1, Ordering::Release);
+    super::launcher::wake();
+}
+
+/// The launcher: whether an advance or a load was asked for since the last call.
+pub fn advance_requested() -> bool {
+    segment().is_some_and(|seg| seg.header.lifecycle.requested.swap(0, Ordering::AcqRel) != 0)
+}
+
+/// How this segment began.
+pub fn start_kind() -> StartKind {
+    segment()
+        .and_then(|seg| StartKind::from_u32(seg.header.lifecycle.start_kind.load(Ordering::Acquire)))
+        .unwrap_or(StartKind::Crash)
+}
+
+/// The postmaster, at start: how this segment began.
+pub(super) fn set_start_kind(kind: StartKind) {
+    if let Some(seg) = segment() {
+        seg.header
+            .lifecycle
+            .start_kind
+            .store(kind as u32, Ordering::Release);
+    }
+}
+
+/// The launcher at its start: recovery has ended now (kept from the first start only).
+pub fn note_recovered(now: i64) {
+    if let Some(seg) = segment() {
+        let _ = seg.header.lifecycle.recovered_at.compare_exchange(
+            0,
+            now,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// When recovery ended (0 if the launcher has not started yet).
+pub fn recovered_at() -> i64 {
+    segment().map_or(0, |seg| seg.header.lifecycle.recovered_at.load(Ordering::Acquire))
+}
+
+fn record(db: u32, claim: bool) -> Option<&'static DbRecord> {
+    let seg = segment()?;
+    let dbs = &seg.header.lifecycle.dbs;
+    if let Some(r) = dbs.iter().find(|r| r.oid.load(Ordering::Acquire) == db) {
+        return Some(r);
+    }
+    if !claim {
+        return None;
+    }
+    for r in dbs {
+        match r
+            .oid
+            .compare_exchange(0, db, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => return Some(r),
+            Err(other) if other == db => return Some(r),
+            Err(_) => {}
+        }
+    }
+    None
+}
+
+/// Whether database `db` has been loaded: Some(has the durable table) once it is.
+pub fn loaded(db: u32) -> Option<bool> {
+    match record(db, false)?.state.load(Ordering::Acquire) {
+        LOADED => Some(false),
+        LOADED_WITH_TABLE => Some(true),
+        _ => None,
+    }
+}
+
+/// A backend asks for database `db` to be loaded; false when the table of databases is full.
+pub fn request_load(db: u32) -> bool {
+    let Some(r) = record(db, true) else {
+        return false;
+    };
+    let _ = r
+        .state
+        .compare_exchange(UNLOADED, REQUESTED, Ordering::AcqRel, Ordering::Relaxed);
+    request_advance();
+    true
+}
+
+/// The flusher: database `db` is loaded (with or without the table); `min_token` is above
+/// every token its caps issued before. Later flushers refresh whether it has the table (it
+/// may have been updated since).
+pub fn mark_loaded(db: u32, has_table: bool, min_token: u64) {
+    let Some(r) = record(db, true) else { return };
+    r.min_token.fetch_max(min_token, Ordering::AcqRel);
+    r.state.store(
+        if has_table { LOADED_WITH_TABLE } else { LOADED },
+        Ordering::Release,
+    );
+}
+
+/// Databases a backend asked to have loaded.
+pub fn databases_to_load() -> Vec<u32> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    seg.header
+        .lifecycle
+        .dbs
+        .iter()
+        .filter(|r| r.state.load(Ordering::Acquire) == REQUESTED)
+        .map(|r| r.oid.load(Ordering::Acquire))
+        .filter(|&d| d != 0)
+        .collect()
+}
+
+/// Databases with a cap whose horizon, floor or journal is due to be written at `now`.
+pub fn databases_with_horizon_work(now: i64, journal_every_us: i64) -> Vec<u32> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut dbs: Vec<u32> = seg
+        .live()
+        .filter(|e| e.horizon_due(now, journal_every_us))
+        .map(|e| e.database())
+        .filter(|&d| d != 0)
+        .collect();
+    dbs.sort_unstable();
+    dbs.dedup();
+    dbs
+}
+
+/// Databases with a record here (loaded or asked to be).
+pub fn recorded_databases() -> Vec<u32> {
+    segment().map_or_else(Vec::new, |seg| {
+        seg.header
+            .lifecycle
+            .dbs
+            .iter()
+            .map(|r| r.oid.load(Ordering::Acquire))
+            .filter(|&d| d != 0)
+            .collect()
+    })
+}
+
+/// Whether any lease is live (the launcher then looks at the journals every second).
+pub fn any_lease_live() -> bool {
+    segment().is_some_and(|seg| seg.leases.iter().any(|r| r.is_live()))
+}
+
+/// The lowest counter a new cap of database `db` may start at.
+pub(super) fn min_token(db: u32) -> u64 {
+    record(db, false).map_or(0, |r| r.min_token.load(Ordering::Acquire))
+}
+
+/// A cap of `db` whose counter reached `last_token` is being reclaimed: caps made again later
+/// start above it.
+pub(super) fn retire_tokens(db: u32, last_token: u64) {
+    if let Some(r) = record(db, true) {
+        r.min_token.fetch_max(last_token, Ordering::AcqRel);
+    }
+}
+
+/// Database `db` was dropped: its record is free again.
+pub(super) fn forget_database(db: u32) {
+    if let Some(r) = record(db, false) {
+        r.state.store(UNLOADED, Ordering::Relaxed);
+        r.min_token.store(0, Ordering::Relaxed);
+        r.oid.store(0, Ordering::Release);
+    }
+}

@@ -1,0 +1,113 @@
+//! The lifecycle rules a call keeps (`docs/lifecycle.md`): no acquisition in a database before
+//! its durable state is loaded since the server started; none on a cap held back after a crash
+//! or a promotion; no lease (or renewal) whose expiry the committed horizon does not cover.
+//!
+//! Each wait here is a poll of shared memory with a deadline (the launcher's flusher does the
+//! work; it commits in its own transaction), answering cancels; none holds a lock or claims a
+//! slot while it waits.
+
+use super::SlotError;
+use crate::gucs;
+use crate::session;
+use crate::shmem::{self, Cap};
+use stage_e_core::lifecycle::Room;
+use std::time::{Duration, Instant};
+
+/// How long a call waits for the launcher to load its database or advance a horizon.
+const DURABLE_WAIT: Duration = Duration::from_secs(10);
+
+/// Before the first acquisition or lease operation of this backend: waits until the
+/// database's rows have been loaded since the segment was made.
+#[inline]
+pub fn ensure_loaded() -> Result<(), SlotError> {
+    if session::database_loaded() {
+        return Ok(());
+    }
+    load()
+}
+
+#[cold]
+fn load() -> Result<(), SlotError> {
+    let db = session::database();
+    let deadline = Instant::now() + DURABLE_WAIT;
+    let mut asked = false;
+    loop {
+        if shmem::loaded(db).is_some() {
+            session::set_database_loaded();
+            return Ok(());
+        }
+        if !asked {
+            if !shmem::request_load(db) {
+                return Err(SlotError::TooManyDatabases);
+            }
+            asked = true;
+        } else {
+            shmem::request_advance(); // in case the launcher restarted meanwhile
+        }
+        if Instant::now() >= deadline {
+            return Err(SlotError::NotLoaded);
+        }
+        session::nap_ms(5);
+    }
+}
+
+/// Whether leases of this database are covered by a durable horizon (it has the table).
+pub fn has_horizon() -> bool {
+    shmem::loaded(session::database()) == Some(true)
+}
+
+/// Whether a lease to `expires_at` with `token` may be granted now: `Err(NeedsRoom)` when the
+/// horizon or the floor must be advanced first (the caller gives the slot back and waits).
+#[inline]
+pub fn check_room(cap: &Cap, expires_at: i64, token: u64) -> Result<(), SlotError> {
+    if !has_horizon() {
+        return Ok(());
+    }
+    match cap.room(expires_at, token, gucs::lease_horizon_margin_us()) {
+        Room::Enough | Room::Ask => Ok(()),
+        Room::Wait => Err(SlotError::NeedsRoom { expires_at, token }),
+    }
+}
+
+/// Waits until a lease to `expires_at` with `token` fits under the committed horizon of `cap`.
+pub fn wait_for_room(cap: &Cap, expires_at: i64, token: u64) -> Result<(), SlotError> {
+    let deadline = Instant::now() + DURABLE_WAIT;
+    let margin = gucs::lease_horizon_margin_us();
+    while cap.room(expires_at, token, margin) == Room::Wait {
+        if Instant::now() >= deadline {
+            return Err(SlotError::NoDurableRoom { cap: cap.name() });
+        }
+        session::nap_ms(2);
+    }
+    Ok(())
+}
+
+/// What the hold of a cap means for a call that may wait until `deadline` (None: forever).
+pub enum Hold {
+    /// Not held back (or the hold ended while waiting): go on.
+    Free,
+    /// Held back past the call's wait: throttled.
+    Throttled,
+}
+
+/// Waits out the cap's hold if the call's wait allows; throttled otherwise.
+pub fn through_hold(cap: &Cap, deadline: Option<Instant>) -> Hold {
+    loop {
+        let now = session::now();
+        let Some((until, _)) = cap.held_until(now) else {
+            return Hold::Free;
+        };
+        let left = Duration::from_micros((until - now).max(0) as u64);
+        let can_wait = match deadline {
+            None => true,
+            Some(d) => Instant::now() < d,
+        };
+        if !can_wait {
+            return Hold::Throttled;
+        }
+        let step = deadline
+            .map_or(left, |d| left.min(d.saturating_duration_since(Instant::now())))
+            .min(Duration::from_millis(50));
+        session::nap_ms((step.as_millis() as i64).max(1));
+    }
+}
