@@ -14,7 +14,7 @@ CREATE FUNCTION "stage_e_held_back_internal"() RETURNS TABLE (
 	"held_until" timestamp with time zone,  /* Option < TimestampWithTimeZone > */
 	"reason" TEXT  /* String */
 )
-STRICT VOLATILE PARALLEL SAFE
+STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'stage_e_held_back_internal_wrapper';
 

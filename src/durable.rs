@@ -65,7 +65,7 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
         min_token = min_token.max(row.floor);
         // A cap already made (its counts restored at start) starts above its floor too.
         if let Some(cap) = shmem::lookup(db, &row.cap) {
-            cap.load_floor(row.floor);
+            cap.load_row(row.floor, row.horizon);
         }
         let rh = held_caps.contains(&row.cap).then_some(recovery_until);
         let hold = lifecycle::hold_for(kind, now, Some(row.horizon), rh);
@@ -75,11 +75,10 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
             continue;
         }
         let cap = make_cap(db, &row.cap, row.n)?;
-        cap.load_floor(row.floor);
+        cap.load_row(row.floor, row.horizon);
         let mut reclaimable = 0;
         for &(slot, token, expires_at) in &row.journal {
-            if expires_at > now && slot < row.n && cap.restore_lease(slot, token, now, expires_at)
-            {
+            if expires_at > now && slot < row.n && cap.restore_lease(slot, token, now, expires_at) {
                 reclaimable += 1;
             }
         }
@@ -88,7 +87,10 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
             log_hold(&cap.name(), &database, until, reason.as_str(), reclaimable);
         }
     }
-    for name in held_caps.iter().filter(|c| !rows.iter().any(|r| &r.cap == *c)) {
+    for name in held_caps
+        .iter()
+        .filter(|c| !rows.iter().any(|r| &r.cap == *c))
+    {
         if let Some((until, reason)) = lifecycle::hold_for(kind, now, None, Some(recovery_until)) {
             let cap = make_cap(db, name, 1)?;
             cap.hold(until, reason);
@@ -187,7 +189,8 @@ pub fn advance(ext: &Extension) -> Result<Vec<Written>, pgrx::spi::Error> {
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for r in shmem::cap_refs(session::database()) {
         let Some(cap) = shmem::pin(r) else { continue };
-        let Some(w) = cap.horizon_write(now, JOURNAL_EVERY_US) else {
+        let Some(w) = cap.horizon_write(now, JOURNAL_EVERY_US, gucs::lease_horizon_margin_us())
+        else {
             continue;
         };
         refs.push((r, cap.name(), w.journal.1));

@@ -207,9 +207,10 @@ mod tests {
             Some("ss".into())
         );
         assert_eq!(
-            // 0.5.0 retired stage_e_try_slot(n integer, wait interval): 24 since.
+            // 0.5.0 retired stage_e_try_slot(n integer, wait interval): 24; 0.6.0 adds
+            // stage_e_held_back_internal.
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(24)
+            Some(25)
         );
         // stage_e_lease returns its own row type, (slot integer, token bigint).
         assert_eq!(

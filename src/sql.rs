@@ -166,12 +166,16 @@ pub fn horizon_rows_query(ext: &Extension) -> String {
 
 /// The caps that have a counter row.
 pub fn counter_caps_query(ext: &Extension) -> String {
-    format!("SELECT c.cap FROM {}.stage_e_throttle_counter AS c", ext.schema)
+    format!(
+        "SELECT c.cap FROM {}.stage_e_throttle_counter AS c",
+        ext.schema
+    )
 }
 
 /// One statement writing the horizon rows of several caps: `$1` caps, `$2` horizons, `$3`
-/// floors, `$4` n, `$5` journals (jsonb text). Horizon and floor never go back (a row may
-/// already be ahead of this server's view); returns each row as written.
+/// floors, `$4` n, `$5` journals (jsonb text). The floor never goes back (a row may already be
+/// ahead of this server's view); the horizon is lowered only for a quiet cap (`shmem`'s
+/// durable fields decide). Returns each row as written.
 pub fn horizon_write_query(ext: &Extension) -> String {
     format!(
         "INSERT INTO {}.stage_e_lease_horizon AS h \
@@ -185,7 +189,7 @@ pub fn horizon_write_query(ext: &Extension) -> String {
                            pg_catalog.unnest($5::pg_catalog.text[])) \
                 AS u (cap, horizon, token_floor, n, leases) \
          ON CONFLICT (cap) DO UPDATE SET \
-                horizon = GREATEST(h.horizon, excluded.horizon), \
+                horizon = excluded.horizon, \
                 token_floor = GREATEST(h.token_floor, excluded.token_floor), \
                 n = excluded.n, leases = excluded.leases, written_at = excluded.written_at \
          RETURNING h.cap, h.horizon, h.token_floor",

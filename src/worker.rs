@@ -87,7 +87,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         if !first && !asked && now < due && durable_work.is_empty() {
             let next_sample = last_sample.map_or(now, |t| t + sample_every);
             let mut wake = due.min(next_sample).max(now);
-            if shmem::any_lease_live() {
+            if shmem::durable_watch() {
                 wake = wake.min(now + JOURNAL_LOOK);
             }
             if !BackgroundWorker::wait_latch(Some(wake - now)) {
@@ -201,7 +201,10 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         let loaded = shmem::loaded(db.to_u32());
         if loaded.is_none() {
             if let Err(e) = durable::load(db.to_u32(), ext.as_ref()) {
-                error!("stage_e_slots: could not load database {}: {e}", db.to_u32());
+                error!(
+                    "stage_e_slots: could not load database {}: {e}",
+                    db.to_u32()
+                );
             }
         } else if loaded != Some(ext.as_ref().is_some_and(|e| e.version.has_lease_horizon())) {
             // Updated (or the extension dropped) since it was loaded.

@@ -643,12 +643,22 @@ def test_tokens_increase_across_a_clean_restart_and_crashes():
     c = Cluster("lease_tokens", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
 
     def take():
-        """A session slot and a lease of cap fence: their tokens (session slot first)."""
+        """A session slot and a lease of cap fence: their tokens (session slot first). The
+        lease is given back, so that a crash has nothing to hold the cap back for."""
         with c.connect("app") as s:
             slot = one(s, "SELECT stage_e_try_slot('fence', 8)")
-            got = [slot_token(s, "fence", slot), lease(s, "fence", 8, "1 h")[1]]
+            got = [slot_token(s, "fence", slot), lease(s, "fence", 8, "1 h")]
+            assert release_lease(s, "fence", got[1][0], got[1][1]) is True
+        got[1] = got[1][1]
         assert got[0] < got[1], got
         return got
+
+    def quiet():
+        """The cap's durable horizon has come down to the present (no lease for 2 s)."""
+        with c.connect("app") as s:
+            wait_for(lambda: one(s, "SELECT horizon <= now() FROM stage_e_lease_horizon "
+                                    "WHERE cap = 'fence'"),
+                     timeout=30, interval=0.2, what="the cap's horizon to come down")
 
     def accepting():
         try:
@@ -664,6 +674,7 @@ def test_tokens_increase_across_a_clean_restart_and_crashes():
         c.start()
         rounds.append(take())  # after a clean restart
 
+        quiet()
         since = len(c.log_text())
         victim = c.connect("app", "victim")
         os.kill(victim.info.backend_pid, signal.SIGKILL)  # a backend crash: crash recovery
@@ -673,6 +684,7 @@ def test_tokens_increase_across_a_clean_restart_and_crashes():
         wait_for(accepting, timeout=60, interval=0.2, what="the server after the crash")
         rounds.append(take())
 
+        quiet()
         postmaster = int((c.data / "postmaster.pid").read_text().split()[0])
         family = [postmaster] + children_of(postmaster)
         os.kill(postmaster, signal.SIGKILL)  # the postmaster itself

@@ -7,7 +7,7 @@ use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
 
 /// The caps of this database held back now, and why; the view `stage_e_held_back` reads it.
-#[pg_extern(volatile, parallel_safe)]
+#[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_held_back_internal() -> TableIterator<
     'static,
     (

@@ -378,9 +378,7 @@ pub(super) fn restore_at_start(
 ) -> Result<Cap, CapError> {
     let cap = seg.create(db, name, cap_key(name), slots.max(1), &|_| true)?;
     seg.grow(cap, slots)?;
-    seg.entry(cap.entry)
-        .pin_counted(cap)
-        .ok_or(CapError::Busy)
+    seg.entry(cap.entry).pin_counted(cap).ok_or(CapError::Busy)
 }
 
 /// Moves `cap` to a block with room for `slots` slots (its holders keep theirs).

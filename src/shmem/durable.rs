@@ -8,6 +8,16 @@
 //! against them (`stage_e_core::lifecycle::room`) is covered by what is on disk. Wishes
 //! (`horizon_wanted`) are raised by any backend with `fetch_max` and read by the flusher.
 //!
+//! **Quiet.** A cap whose leases have all ended, and stayed so for
+//! `lifecycle::QUIET_AFTER_US`, has its durable horizon lowered to the present, so that a crash
+//! or a promotion holds back nothing for it. The flusher first *closes* it (the committed
+//! horizon in shared memory becomes 0, so every new grant waits for an advance), then waits
+//! until no grant is between its room check and its lease record (`granting`, a Dekker-style
+//! fence: the grant increments it before reading the horizon, the flusher reads it after
+//! zeroing the horizon, both SeqCst), and only if the cap still has no lease writes the lowered
+//! row. The next lease asks for an advance and waits for its commit. The row's horizon is never
+//! written below a live lease's expiry plus the margin, nor below the cap's hold.
+//!
 //! **Holds.** `held_until` is set once, by the loader, before the database is marked loaded;
 //! no backend acquires in a database before it is loaded (`loaded`), so every acquisition sees
 //! the hold. A held cap is not idle, so it is not reclaimed while held.
@@ -32,7 +42,8 @@ const LOADED: u32 = 2;
 /// LOADED, and the database has the durable table (its version is 0.6.0 or later).
 const LOADED_WITH_TABLE: u32 = 3;
 
-/// A cap's durable bookkeeping: one cache line, read by every lease grant.
+/// A cap's durable bookkeeping: the first cache line is read by every acquisition (the hold)
+/// and lease grant; the second by the flusher, and the grant fence.
 #[repr(C, align(64))]
 pub(super) struct Durable {
     /// The committed lease horizon (µs; 0 = none yet).
@@ -50,6 +61,8 @@ pub(super) struct Durable {
     lease_changes: AtomicU64,
     journal_written: AtomicU64,
     journal_at: AtomicI64,
+    /// Lease grants between their room check and their lease record (see "Quiet").
+    granting: AtomicU32,
 }
 
 /// One database's record.
@@ -94,6 +107,7 @@ impl CapEntry {
         for a in [&d.floor, &d.lease_changes, &d.journal_written] {
             a.store(0, Ordering::Relaxed);
         }
+        d.granting.store(0, Ordering::Relaxed);
         d.held_reason.store(0, Ordering::Relaxed);
         d.n.store(0, Ordering::Relaxed);
     }
@@ -111,8 +125,23 @@ impl CapEntry {
                 self.counters.last_token.load(Ordering::Relaxed),
                 d.floor.load(Ordering::Acquire),
             )
-            || (d.lease_changes.load(Ordering::Acquire) != d.journal_written.load(Ordering::Acquire)
+            || (d.lease_changes.load(Ordering::Acquire)
+                != d.journal_written.load(Ordering::Acquire)
                 && now - d.journal_at.load(Ordering::Relaxed) >= journal_every_us)
+            || self.may_quiet(now)
+    }
+
+    /// Open, with no lease, no change since the last journal write for a while, no hold and no
+    /// wish pending: its horizon can be lowered (see "Quiet").
+    fn may_quiet(&self, now: i64) -> bool {
+        let d = &self.durable;
+        let horizon = d.horizon.load(Ordering::Acquire);
+        horizon > 0
+            && self.counters.leases.load(Ordering::Acquire) == 0
+            && d.horizon_wanted.load(Ordering::Acquire) <= horizon
+            && d.lease_changes.load(Ordering::Acquire) == d.journal_written.load(Ordering::Acquire)
+            && now - d.journal_at.load(Ordering::Relaxed) >= lifecycle::QUIET_AFTER_US
+            && !self.held_at(now)
     }
 }
 
@@ -138,6 +167,14 @@ impl Cap {
         }
     }
 
+    /// A lease grant begins: until the guard goes (after its lease record is made), a close
+    /// waits for it (see "Quiet").
+    pub fn begin_grant(&self) -> Granting<'static> {
+        let g = &self.entry().durable.granting;
+        g.fetch_add(1, Ordering::SeqCst);
+        Granting(g)
+    }
+
     /// Whether a lease to `expires_at` with `token` fits under the committed horizon and floor;
     /// asks for an advance when it (nearly) does not.
     pub fn room(&self, expires_at: i64, token: u64, margin_us: i64) -> Room {
@@ -146,7 +183,7 @@ impl Cap {
             expires_at,
             margin_us,
             token,
-            d.horizon.load(Ordering::Acquire),
+            d.horizon.load(Ordering::SeqCst),
             d.floor.load(Ordering::Acquire),
         );
         if room != Room::Enough {
@@ -176,17 +213,41 @@ impl Cap {
             .fetch_add(1, Ordering::AcqRel);
     }
 
-    /// The flusher: what to write for this cap at `now`, if anything.
-    pub fn horizon_write(&self, now: i64, journal_every_us: i64) -> Option<HorizonWrite> {
+    /// The flusher: what to write for this cap at `now`, if anything. A quiet cap is closed
+    /// here (see "Quiet"): its write lowers the horizon to `now`.
+    pub fn horizon_write(
+        &self,
+        now: i64,
+        journal_every_us: i64,
+        margin_us: i64,
+    ) -> Option<HorizonWrite> {
         let e = self.entry();
         if !e.horizon_due(now, journal_every_us) {
             return None;
         }
         let d = &e.durable;
+        let quiet = e.may_quiet(now) && self.close();
         // The count first: a change made while the leases are read is written next time.
         let changes = d.lease_changes.load(Ordering::Acquire);
-        let leases = self
-            .leases()
+        let live = self.leases();
+        let last = e.counters.last_token.load(Ordering::Acquire);
+        let floor = d.floor.load(Ordering::Acquire);
+        let horizon = if quiet {
+            now
+        } else {
+            // Never below what grants relied on, a live lease's expiry, or the hold.
+            live.iter()
+                .map(|l| l.expires_at.saturating_add(margin_us))
+                .chain([
+                    d.horizon_wanted.load(Ordering::Acquire),
+                    d.horizon.load(Ordering::Acquire),
+                    d.held_until.load(Ordering::Acquire),
+                    now,
+                ])
+                .max()
+                .unwrap_or(now)
+        };
+        let leases = live
             .into_iter()
             .map(|l| lifecycle::JournalLease {
                 slot: l.slot,
@@ -194,23 +255,38 @@ impl Cap {
                 expires_at: l.expires_at,
             })
             .collect();
-        let journal = (leases, changes);
-        let last = e.counters.last_token.load(Ordering::Acquire);
-        let floor = d.floor.load(Ordering::Acquire);
         Some(HorizonWrite {
-            horizon: d
-                .horizon_wanted
-                .load(Ordering::Acquire)
-                .max(d.horizon.load(Ordering::Acquire))
-                .max(now),
+            horizon,
             floor: if lifecycle::floor_due(last, floor) {
                 lifecycle::floor_target(last)
             } else {
                 floor
             },
             n: d.n.load(Ordering::Relaxed).max(1),
-            journal,
+            journal: (leases, changes),
         })
+    }
+
+    /// Closes a quiet cap: no grant can rely on its horizon any more. False (and open again)
+    /// if a lease was granted meanwhile.
+    fn close(&self) -> bool {
+        let d = &self.entry().durable;
+        let before = d.horizon.load(Ordering::Acquire);
+        d.horizon_wanted.store(0, Ordering::SeqCst);
+        d.horizon.store(0, Ordering::SeqCst);
+        // Grants that read the old horizon finish; later ones read 0 and wait.
+        let started = std::time::Instant::now();
+        while d.granting.load(Ordering::SeqCst) > 0 {
+            if started.elapsed() > std::time::Duration::from_secs(1) {
+                break; // a grant stuck mid-way (it cannot be: a few stores); stay open
+            }
+            std::hint::spin_loop();
+        }
+        if d.granting.load(Ordering::SeqCst) == 0 && self.lease_count() == 0 {
+            return true;
+        }
+        d.horizon.fetch_max(before, Ordering::AcqRel);
+        false
     }
 
     /// The flusher, after its transaction committed: the row now holds `horizon` and `floor`
@@ -223,21 +299,29 @@ impl Cap {
         d.journal_at.store(now, Ordering::Relaxed);
     }
 
-    /// The loader: the cap's row says its tokens reached at most `floor`; start above it.
-    pub fn load_floor(&self, floor: u64) {
+    /// The loader: the cap's committed row says its tokens reached at most `floor` and its
+    /// horizon is `horizon`; tokens start above the floor, and later writes keep the horizon.
+    pub fn load_row(&self, floor: u64, horizon: i64) {
         let e = self.entry();
         e.counters.last_token.fetch_max(floor, Ordering::AcqRel);
         e.durable.floor.fetch_max(floor, Ordering::AcqRel);
+        e.durable.horizon.fetch_max(horizon, Ordering::AcqRel);
+    }
+}
+
+/// A lease grant in progress (`Cap::begin_grant`).
+pub struct Granting<'a>(&'a AtomicU32);
+
+impl Drop for Granting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 /// Asks the launcher to run the flushers that advance horizons or load databases, now.
 pub fn request_advance() {
     let Some(seg) = segment() else { return };
-    seg.header
-        .lifecycle
-        .requested
-        .store(1, Ordering::Release);
+    seg.header.lifecycle.requested.store(1, Ordering::Release);
     super::launcher::wake();
 }
 
@@ -249,7 +333,9 @@ pub fn advance_requested() -> bool {
 /// How this segment began.
 pub fn start_kind() -> StartKind {
     segment()
-        .and_then(|seg| StartKind::from_u32(seg.header.lifecycle.start_kind.load(Ordering::Acquire)))
+        .and_then(|seg| {
+            StartKind::from_u32(seg.header.lifecycle.start_kind.load(Ordering::Acquire))
+        })
         .unwrap_or(StartKind::Crash)
 }
 
@@ -277,7 +363,9 @@ pub fn note_recovered(now: i64) {
 
 /// When recovery ended (0 if the launcher has not started yet).
 pub fn recovered_at() -> i64 {
-    segment().map_or(0, |seg| seg.header.lifecycle.recovered_at.load(Ordering::Acquire))
+    segment().map_or(0, |seg| {
+        seg.header.lifecycle.recovered_at.load(Ordering::Acquire)
+    })
 }
 
 fn record(db: u32, claim: bool) -> Option<&'static DbRecord> {
@@ -379,9 +467,15 @@ pub fn recorded_databases() -> Vec<u32> {
     })
 }
 
-/// Whether any lease is live (the launcher then looks at the journals every second).
-pub fn any_lease_live() -> bool {
-    segment().is_some_and(|seg| seg.leases.iter().any(|r| r.is_live()))
+/// Whether any lease is live or any cap's horizon is open: the launcher then looks every
+/// second for journals to write and caps gone quiet.
+pub fn durable_watch() -> bool {
+    segment().is_some_and(|seg| {
+        seg.leases.iter().any(|r| r.is_live())
+            || seg
+                .live()
+                .any(|e| e.durable.horizon.load(Ordering::Relaxed) > 0)
+    })
 }
 
 /// The lowest counter a new cap of database `db` may start at.

@@ -37,7 +37,7 @@ pub use caps::{
 pub use caps::{pin_state, reclaim_now};
 pub use counters::Flushed;
 pub use durable::{
-    advance_requested, any_lease_live, databases_to_load, databases_with_horizon_work, loaded,
+    advance_requested, databases_to_load, databases_with_horizon_work, durable_watch, loaded,
     mark_loaded, note_recovered, recorded_databases, recovered_at, request_advance, request_load,
     start_kind, MAX_DATABASES,
 };

@@ -173,14 +173,15 @@ fn save_leases(seg: &Segment) {
             last_token: e.last_token(),
             capacity: cap.capacity(),
         });
-        file.leases.extend(cap.leases().into_iter().map(|l| SavedLease {
-            database: cap.database(),
-            cap: cap.name(),
-            slot: l.slot,
-            token: l.token,
-            acquired_at: l.acquired_at,
-            expires_at: l.expires_at,
-        }));
+        file.leases
+            .extend(cap.leases().into_iter().map(|l| SavedLease {
+                database: cap.database(),
+                cap: cap.name(),
+                slot: l.slot,
+                token: l.token,
+                acquired_at: l.acquired_at,
+                expires_at: l.expires_at,
+            }));
     }
     if write_file(LEASE_FILE, &file.encode(major())) && !file.leases.is_empty() {
         pgrx::log!(

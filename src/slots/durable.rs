@@ -106,7 +106,9 @@ pub fn through_hold(cap: &Cap, deadline: Option<Instant>) -> Hold {
             return Hold::Throttled;
         }
         let step = deadline
-            .map_or(left, |d| left.min(d.saturating_duration_since(Instant::now())))
+            .map_or(left, |d| {
+                left.min(d.saturating_duration_since(Instant::now()))
+            })
             .min(Duration::from_millis(50));
         session::nap_ms((step.as_millis() as i64).max(1));
     }

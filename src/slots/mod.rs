@@ -61,10 +61,15 @@ pub enum SlotError {
     /// The database table of `stage_e_slots.max_databases`-like records is full.
     TooManyDatabases,
     /// The lease horizon (or token floor) of `cap` was not made durable in time.
-    NoDurableRoom { cap: String },
+    NoDurableRoom {
+        cap: String,
+    },
     /// A lease to `expires_at` with `token` needs an advance of the horizon first (internal:
     /// `lease` waits for it and tries again).
-    NeedsRoom { expires_at: i64, token: u64 },
+    NeedsRoom {
+        expires_at: i64,
+        token: u64,
+    },
     /// A cap could not be created or grown (boxed: the error path only, and it keeps every
     /// `Result` of the hot path small).
     Cap(Box<CapFailure>),
@@ -458,6 +463,7 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
                         let now = session::now();
                         let expires_at = now.saturating_add(ttl_us);
                         // Dropping `claim` on an error clears the bit.
+                        let _granting = cap.begin_grant();
                         durable::check_room(cap, expires_at, token)?;
                         if !cap.start_lease(slot, token, now, expires_at) {
                             return Err(SlotError::NoLeaseRecord {

@@ -20,6 +20,10 @@ use std::fmt::Write as _;
 /// per half step.
 pub const HORIZON_STEP_US: i64 = 4_000_000;
 
+/// A cap with no lease for this long (after its journal said so) has its horizon lowered to the
+/// present: after a crash, nothing holds it back.
+pub const QUIET_AFTER_US: i64 = 2_000_000;
+
 /// Tokens reserved ahead of a cap's counter by each floor write (2^40: about 18 minutes of the
 /// clock-based base's rate of 1,024 tokens per microsecond, and days of acquisitions at any
 /// rate a server reaches).
@@ -60,7 +64,9 @@ pub fn advance_target(expires_at: i64, margin_us: i64) -> i64 {
 
 /// The floor to write for a cap whose counter is at `last_token`.
 pub fn floor_target(last_token: u64) -> u64 {
-    last_token.saturating_add(TOKEN_RESERVE).min(i64::MAX as u64)
+    last_token
+        .saturating_add(TOKEN_RESERVE)
+        .min(i64::MAX as u64)
 }
 
 /// Whether the floor must be written again (less than half a reserve left).
@@ -339,7 +345,13 @@ mod unit {
         assert_eq!(room(100 * S, margin, 10, 102 * S, floor), Room::Ask);
         assert_eq!(room(100 * S + 1, margin, 10, 102 * S, floor), Room::Wait);
         assert_eq!(
-            room(100 * S, margin, 10, 102 * S + HORIZON_STEP_US, TOKEN_RESERVE),
+            room(
+                100 * S,
+                margin,
+                10,
+                102 * S + HORIZON_STEP_US,
+                TOKEN_RESERVE
+            ),
             Room::Enough
         );
         // A token past the floor waits too, whatever the horizon.
@@ -410,7 +422,12 @@ mod unit {
             Some((now + 5 * S, HoldReason::Crash))
         );
         assert_eq!(
-            hold_for(StartKind::Standby, now, Some(now + 5 * S), Some(now + 9 * S)),
+            hold_for(
+                StartKind::Standby,
+                now,
+                Some(now + 5 * S),
+                Some(now + 9 * S)
+            ),
             Some((now + 9 * S, HoldReason::RecoveryHold))
         );
         assert_eq!(
@@ -485,10 +502,7 @@ mod unit {
         let f = sample();
         let text = f.encode(18);
         assert_eq!(LeaseFile::decode(&text, 18), Ok(f));
-        assert_eq!(
-            LeaseFile::decode(&text, 15),
-            Err(FileError::OtherMajor(18))
-        );
+        assert_eq!(LeaseFile::decode(&text, 15), Err(FileError::OtherMajor(18)));
         // Cut short, garbled, or empty: refused whole.
         let cut = &text[..text.len() - 4];
         assert!(matches!(
