@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -94,6 +95,19 @@ class Cluster:
         self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop",
                   check=False)
 
+    def crash(self) -> None:
+        """kill -9 of the postmaster, as a power cut or the OOM killer would: waits until it and
+        its children are gone (not just zombies: a new postmaster refuses a lock file whose pid
+        exists), leaving the data directory as it was. start() then runs crash recovery."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        family = [postmaster] + _children_of(postmaster)
+        os.kill(postmaster, signal.SIGKILL)
+        wait_for(lambda: all(_state(p) in (None, "Z") for p in family), timeout=60,
+                 interval=0.05, what="the killed server's processes to exit")
+        # Orphans are reparented to PID 1, which reaps them when it gets to it: wait for that too.
+        wait_for(lambda: all(_state(p) is None for p in family), timeout=60, interval=0.05,
+                 what="the killed server's processes to be reaped")
+
     def destroy(self) -> None:
         self.stop("immediate")
         shutil.rmtree(self.base, ignore_errors=True)
@@ -134,6 +148,28 @@ class Cluster:
                   "-h", str(primary.base), "-p", str(primary.port), "-U", "postgres")
         self.write_settings()
         return self.start()
+
+
+def _state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process ('Z' zombie), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return kids
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):

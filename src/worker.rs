@@ -57,6 +57,8 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     let mut last_round = Instant::now();
     let mut last_sample: Option<Instant> = None;
     let mut first = true;
+    let mut last_durable = Instant::now();
+    let mut backoff = Duration::ZERO;
     shmem::launcher_wakeup(true);
     shmem::note_recovered(session::now());
     if shmem::start_kind().holds() {
@@ -84,11 +86,18 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         let asked = shmem::launcher_wakeup(false);
         shmem::advance_requested();
         let durable_work = durable_work();
-        if !first && !asked && now < due && durable_work.is_empty() {
+        // Work still due right after a round for it means its flusher failed (the log says
+        // why): back off, so that a failing database does not keep the launcher forking.
+        let retry_at = last_durable + backoff;
+        let durable_now = !durable_work.is_empty() && now >= retry_at;
+        if !first && !asked && now < due && !durable_now {
             let next_sample = last_sample.map_or(now, |t| t + sample_every);
             let mut wake = due.min(next_sample).max(now);
             if shmem::durable_watch() {
                 wake = wake.min(now + JOURNAL_LOOK);
+            }
+            if !durable_work.is_empty() {
+                wake = wake.min(retry_at);
             }
             if !BackgroundWorker::wait_latch(Some(wake - now)) {
                 break;
@@ -104,13 +113,31 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         if counters {
             last_round = now;
         }
-        flush_round(counters, durable_work);
+        let ran = if durable_now {
+            durable_work
+        } else {
+            Vec::new()
+        };
+        let durable_ran = !ran.is_empty();
+        flush_round(counters, ran.clone());
+        if durable_ran {
+            last_durable = Instant::now();
+            let still = self::durable_work();
+            backoff = if ran.iter().any(|d| still.contains(d)) {
+                (backoff * 2).clamp(MIN_BACKOFF, MAX_BACKOFF)
+            } else {
+                Duration::ZERO
+            };
+        }
     }
     // Counts still pending now are saved by the postmaster at shutdown (see shmem).
 }
 
 /// How often the launcher looks for journals to write while a lease is live.
 const JOURNAL_LOOK: Duration = Duration::from_millis(1_000);
+/// The backoff after a round whose durable work is still due, doubled up to the maximum.
+const MIN_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Databases to load, or with a horizon, floor or journal due.
 fn durable_work() -> Vec<u32> {

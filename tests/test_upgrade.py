@@ -1,5 +1,5 @@
-"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0 and 0.4.0, with data and
-holders, against the current library; and the updated schema against a fresh install's."""
+"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0 and 0.5.0, with data
+and holders, against the current library; and the updated schema against a fresh install's."""
 
 import tomllib
 from pathlib import Path
@@ -341,3 +341,60 @@ def test_a_0_4_0_database_serves_the_retired_wait_form_until_it_is_updated(uc):
         assert one(holder, "SELECT stage_e_release_all()") == 1
     uc.create_database("fresh5")
     assert describe(uc, "v040") == describe(uc, "fresh5")
+
+
+def test_a_0_5_0_database_keeps_0_5_0_behaviour_until_updated_then_its_leases_outlive_a_crash():
+    """The 0.6.0 library serves a 0.5.0 database as 0.5.0 did: it has no durable lease horizon,
+    so a crash frees its leases (the README says so). The update keeps its holder, its lease
+    and its counts; from then on the flusher covers its leases, and a crash holds the cap back
+    until they have expired, with the old token able to reclaim its slot."""
+    c = Cluster("upgrade050", {"stage_e_slots.flush_interval": "200",
+                               "stage_e_slots.lease_horizon_margin": "'100ms'"}).init().start()
+    try:
+        c.create_database("v050", extension=False)
+        c.sql("CREATE EXTENSION stage_e_slots VERSION '0.5.0'", dbname="v050")
+        with c.connect("v050") as s:
+            before = s.execute("SELECT * FROM stage_e_lease('jobs', 1, '30 s')").fetchone()
+            assert before[0] == 0
+            assert one(s, "SELECT to_regclass('stage_e_lease_horizon')") is None
+        c.crash()
+        c.start()
+        with c.connect("v050", "holder") as holder, c.connect("v050", "observer") as observer:
+            # 0.5.0's behaviour: nothing covered the lease, so the crash freed its slot.
+            lease = holder.execute("SELECT * FROM stage_e_lease('jobs', 1, '30 s')").fetchone()
+            assert lease[0] == 0 and lease[1] > before[1]
+            assert one(observer, "SELECT to_regclass('stage_e_held_back')") is None
+            assert one(holder, "SELECT stage_e_try_slot('sess', 2)") == 0
+            observer.execute("SELECT stage_e_flush()")
+
+            observer.execute("ALTER EXTENSION stage_e_slots UPDATE")
+            assert one(observer, "SELECT extversion FROM pg_extension "
+                                 "WHERE extname = 'stage_e_slots'") == CURRENT
+            assert observer.execute("SELECT cap, slot, token FROM stage_e_slot_holders "
+                                    "ORDER BY cap").fetchall() == [
+                ("jobs", 0, lease[1]), ("sess", 0, None)]
+            assert one(holder, "SELECT stage_e_holding('sess', 0)") is True
+            assert observer.execute("SELECT cap, acquired FROM stage_e_throttle_counter "
+                                    "ORDER BY cap").fetchall() == [("jobs", 1), ("sess", 1)]
+            # The flusher writes the lease into the journal (the flush interval is 200 ms).
+            wait_for(lambda: one(observer, "SELECT leases FROM stage_e_lease_horizon "
+                                           "WHERE cap = 'jobs'") not in (None, []),
+                     timeout=30, interval=0.1, what="the lease in the journal")
+            row = observer.execute("SELECT leases, horizon >= now() + '29 s'::interval "
+                                   "FROM stage_e_lease_horizon WHERE cap = 'jobs'").fetchone()
+            assert row[0][0][:2] == [0, lease[1]] and row[1] is True
+        c.crash()
+        c.start()
+        with c.connect("v050") as s:
+            held = s.execute("SELECT cap, reason FROM stage_e_held_back").fetchall()
+            assert held == [("jobs", "crash")]
+            assert s.execute("SELECT * FROM stage_e_lease('jobs', 1, '1 s')").fetchone() == (
+                None, None)
+            assert one(s, "SELECT stage_e_renew('jobs', 0, %s::bigint, '5 s')",
+                       (lease[1],)) is True
+            assert s.execute("SELECT slot, token FROM stage_e_slot_holders WHERE cap = 'jobs'"
+                             ).fetchall() == [(0, lease[1])]
+        c.create_database("fresh6")
+        assert describe(c, "v050") == describe(c, "fresh6")
+    finally:
+        c.destroy()

@@ -46,7 +46,8 @@ pub(super) struct HotCounters {
     pub(super) last_token: AtomicU64,
     /// Live leases, and no lease expires before `lease_due` (a lower bound; `leases`).
     pub(super) leases: AtomicU32,
-    _pad: u32,
+    /// Lease grants between their room check and their lease record (`durable`'s "Quiet").
+    pub(super) granting: AtomicU32,
     pub(super) lease_due: AtomicI64,
 }
 

@@ -12,7 +12,8 @@
 //! `lifecycle::QUIET_AFTER_US`, has its durable horizon lowered to the present, so that a crash
 //! or a promotion holds back nothing for it. The flusher first *closes* it (the committed
 //! horizon in shared memory becomes 0, so every new grant waits for an advance), then waits
-//! until no grant is between its room check and its lease record (`granting`, a Dekker-style
+//! until no grant is between its room check and its lease record (`granting`, with the lease
+//! counters, a Dekker-style
 //! fence: the grant increments it before reading the horizon, the flusher reads it after
 //! zeroing the horizon, both SeqCst), and only if the cap still has no lease writes the lowered
 //! row. The next lease asks for an advance and waits for its commit. The row's horizon is never
@@ -42,8 +43,9 @@ const LOADED: u32 = 2;
 /// LOADED, and the database has the durable table (its version is 0.6.0 or later).
 const LOADED_WITH_TABLE: u32 = 3;
 
-/// A cap's durable bookkeeping: the first cache line is read by every acquisition (the hold)
-/// and lease grant; the second by the flusher, and the grant fence.
+/// A cap's durable bookkeeping: one cache line, read by every acquisition (the hold) and lease
+/// grant. (The n of the latest acquisition is in the entry's first line, the grant fence with
+/// the lease counters.)
 #[repr(C, align(64))]
 pub(super) struct Durable {
     /// The committed lease horizon (µs; 0 = none yet).
@@ -55,14 +57,11 @@ pub(super) struct Durable {
     /// Held back until then (0 = not held), and why (`HoldReason`).
     held_until: AtomicI64,
     held_reason: AtomicU32,
-    /// The n of the cap's latest acquisition.
-    n: AtomicU32,
+    _pad: u32,
     /// Bumped by every lease change; the value the last committed journal write saw, and when.
     lease_changes: AtomicU64,
     journal_written: AtomicU64,
     journal_at: AtomicI64,
-    /// Lease grants between their room check and their lease record (see "Quiet").
-    granting: AtomicU32,
 }
 
 /// One database's record.
@@ -107,9 +106,9 @@ impl CapEntry {
         for a in [&d.floor, &d.lease_changes, &d.journal_written] {
             a.store(0, Ordering::Relaxed);
         }
-        d.granting.store(0, Ordering::Relaxed);
+        self.counters.granting.store(0, Ordering::Relaxed);
+        self.latest_n.store(0, Ordering::Relaxed);
         d.held_reason.store(0, Ordering::Relaxed);
-        d.n.store(0, Ordering::Relaxed);
     }
 
     /// Held back at `now`: not idle, so never reclaimed while the hold lasts.
@@ -170,7 +169,7 @@ impl Cap {
     /// A lease grant begins: until the guard goes (after its lease record is made), a close
     /// waits for it (see "Quiet").
     pub fn begin_grant(&self) -> Granting<'static> {
-        let g = &self.entry().durable.granting;
+        let g = &self.entry().counters.granting;
         g.fetch_add(1, Ordering::SeqCst);
         Granting(g)
     }
@@ -199,9 +198,9 @@ impl Cap {
     /// Records the n of an acquisition (for the row's `n`).
     #[inline]
     pub fn note_n(&self, n: u32) {
-        let d = &self.entry().durable;
-        if d.n.load(Ordering::Relaxed) != n {
-            d.n.store(n, Ordering::Relaxed);
+        let latest = &self.entry().latest_n;
+        if latest.load(Ordering::Relaxed) != n {
+            latest.store(n, Ordering::Relaxed);
         }
     }
 
@@ -262,7 +261,7 @@ impl Cap {
             } else {
                 floor
             },
-            n: d.n.load(Ordering::Relaxed).max(1),
+            n: e.latest_n.load(Ordering::Relaxed).max(1),
             journal: (leases, changes),
         })
     }
@@ -276,13 +275,14 @@ impl Cap {
         d.horizon.store(0, Ordering::SeqCst);
         // Grants that read the old horizon finish; later ones read 0 and wait.
         let started = std::time::Instant::now();
-        while d.granting.load(Ordering::SeqCst) > 0 {
+        let granting = &self.entry().counters.granting;
+        while granting.load(Ordering::SeqCst) > 0 {
             if started.elapsed() > std::time::Duration::from_secs(1) {
                 break; // a grant stuck mid-way (it cannot be: a few stores); stay open
             }
             std::hint::spin_loop();
         }
-        if d.granting.load(Ordering::SeqCst) == 0 && self.lease_count() == 0 {
+        if granting.load(Ordering::SeqCst) == 0 && self.lease_count() == 0 {
             return true;
         }
         d.horizon.fetch_max(before, Ordering::AcqRel);

@@ -576,8 +576,13 @@ pub fn settle_lease(
     let mut now = session::now();
     let mut extend_to = ttl_us.map(|t| now.saturating_add(t));
     if let (Some(t), Some(ttl)) = (extend_to, ttl_us) {
-        // A renewal, too, only to an expiry the committed horizon covers.
-        if durable::has_horizon() && durable::check_room(&cap, t, 0).is_err() {
+        // A renewal, too, only to an expiry the committed horizon covers; a renewal that will
+        // fail (another token, an expired lease) waits for nothing.
+        let renewable = || {
+            cap.lease_of(slot)
+                .is_some_and(|l| l.token == token as u64 && l.expires_at > now)
+        };
+        if durable::has_horizon() && renewable() && durable::check_room(&cap, t, 0).is_err() {
             durable::wait_for_room(&cap, t, 0)?;
             now = session::now();
             extend_to = Some(now.saturating_add(ttl));
