@@ -168,10 +168,8 @@ impl Cap {
 
     /// A lease grant begins: until the guard goes (after its lease record is made), a close
     /// waits for it (see "Quiet").
-    pub fn begin_grant(&self) -> Granting<'static> {
-        let g = &self.entry().counters.granting;
-        g.fetch_add(1, Ordering::SeqCst);
-        Granting(g)
+    pub fn begin_grant(&self) -> lifecycle::Granting<'static> {
+        lifecycle::begin_grant(&self.entry().counters.granting)
     }
 
     /// Whether a lease to `expires_at` with `token` fits under the committed horizon and floor;
@@ -266,27 +264,17 @@ impl Cap {
         })
     }
 
-    /// Closes a quiet cap: no grant can rely on its horizon any more. False (and open again)
-    /// if a lease was granted meanwhile.
+    /// Closes a quiet cap (`stage_e_core::lifecycle::close`): no grant can rely on its
+    /// horizon any more. False (and open again) if a lease was granted meanwhile.
     fn close(&self) -> bool {
-        let d = &self.entry().durable;
-        let before = d.horizon.load(Ordering::Acquire);
-        d.horizon_wanted.store(0, Ordering::SeqCst);
-        d.horizon.store(0, Ordering::SeqCst);
-        // Grants that read the old horizon finish; later ones read 0 and wait.
-        let started = std::time::Instant::now();
-        let granting = &self.entry().counters.granting;
-        while granting.load(Ordering::SeqCst) > 0 {
-            if started.elapsed() > std::time::Duration::from_secs(1) {
-                break; // a grant stuck mid-way (it cannot be: a few stores); stay open
-            }
-            std::hint::spin_loop();
-        }
-        if granting.load(Ordering::SeqCst) == 0 && self.lease_count() == 0 {
-            return true;
-        }
-        d.horizon.fetch_max(before, Ordering::AcqRel);
-        false
+        let e = self.entry();
+        e.durable.horizon_wanted.store(0, Ordering::SeqCst);
+        lifecycle::close(
+            &e.durable.horizon,
+            &e.counters.granting,
+            || self.lease_count(),
+            std::hint::spin_loop,
+        )
     }
 
     /// The flusher, after its transaction committed: the row now holds `horizon` and `floor`
@@ -306,15 +294,6 @@ impl Cap {
         e.counters.last_token.fetch_max(floor, Ordering::AcqRel);
         e.durable.floor.fetch_max(floor, Ordering::AcqRel);
         e.durable.horizon.fetch_max(horizon, Ordering::AcqRel);
-    }
-}
-
-/// A lease grant in progress (`Cap::begin_grant`).
-pub struct Granting<'a>(&'a AtomicU32);
-
-impl Drop for Granting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -15,6 +15,7 @@
 //! new server's clock is behind the old one's.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 
 /// How far ahead of need the horizon is written: a cap with steady leases gets one row write
 /// per half step.
@@ -79,6 +80,51 @@ pub fn floor_due(last_token: u64, floor: u64) -> bool {
 /// earlier server issued, even when this server's clock is behind.
 pub fn token_start(clock_base: u64, floor: u64) -> u64 {
     clock_base.max(floor)
+}
+
+/// A lease grant between its room check and its lease record: a close waits for it
+/// ([`close`]). Made by [`begin_grant`] before the grant reads the horizon.
+#[must_use]
+pub struct Granting<'a>(&'a AtomicU32);
+
+/// A grant begins: raise `granting` (SeqCst) before reading the committed horizon.
+pub fn begin_grant(granting: &AtomicU32) -> Granting<'_> {
+    granting.fetch_add(1, Ordering::SeqCst);
+    Granting(granting)
+}
+
+impl Drop for Granting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Closes a quiet cap so that its durable horizon may be lowered: the committed `horizon` (in
+/// shared memory) becomes 0, so every later grant waits for an advance; then the grants that
+/// read it before wait out (`granting`, Dekker-style: the grant's increment precedes its read
+/// of the horizon, the close's store precedes its read of the count, all SeqCst, so a grant
+/// either is counted here or reads 0). True if no lease is live then (`leases`); otherwise the
+/// horizon is put back and the cap stays open. `nap` waits a moment between looks.
+pub fn close(
+    horizon: &AtomicI64,
+    granting: &AtomicU32,
+    leases: impl Fn() -> u32,
+    mut nap: impl FnMut(),
+) -> bool {
+    let before = horizon.swap(0, Ordering::SeqCst);
+    let mut looks = 0;
+    while granting.load(Ordering::SeqCst) > 0 {
+        looks += 1;
+        if looks > 100_000 {
+            break; // a grant stalled mid-way (it is a few stores): stay open
+        }
+        nap();
+    }
+    if granting.load(Ordering::SeqCst) == 0 && leases() == 0 {
+        return true;
+    }
+    horizon.fetch_max(before, Ordering::AcqRel);
+    false
 }
 
 /// How this server's shared memory began (decided once per initialisation by the postmaster).
@@ -447,6 +493,83 @@ mod unit {
         for k in [StartKind::Clean, StartKind::Crash, StartKind::Standby] {
             assert_eq!(StartKind::from_u32(k as u32), Some(k));
         }
+    }
+
+    /// Grants and closes race: a lease must never be recorded while the cap is closed as
+    /// quiet (that lease would have no durable horizon), and the race must actually run.
+    #[test]
+    fn a_close_never_lets_a_grant_record_a_lease_on_a_quiet_cap() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        use std::sync::Arc;
+        let horizon = Arc::new(AtomicI64::new(1));
+        let granting = Arc::new(AtomicU32::new(0));
+        let leases = Arc::new(AtomicU32::new(0));
+        let quiet = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (granted, refused, closes) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let grants: Vec<_> = (0..3)
+            .map(|_| {
+                let (horizon, granting, leases, quiet, stop, granted, refused) = (
+                    horizon.clone(),
+                    granting.clone(),
+                    leases.clone(),
+                    quiet.clone(),
+                    stop.clone(),
+                    granted.clone(),
+                    refused.clone(),
+                );
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let g = begin_grant(&granting);
+                        if horizon.load(Ordering::SeqCst) == 0 {
+                            refused.fetch_add(1, Ordering::Relaxed);
+                            drop(g);
+                            std::thread::yield_now();
+                            continue;
+                        }
+                        std::thread::yield_now(); // preempted between the check and the record
+                        leases.fetch_add(1, Ordering::SeqCst);
+                        assert!(!quiet.load(Ordering::SeqCst), "a lease on a quiet cap");
+                        drop(g);
+                        granted.fetch_add(1, Ordering::Relaxed);
+                        std::thread::yield_now();
+                        leases.fetch_sub(1, Ordering::SeqCst);
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..20_000 {
+            if close(
+                &horizon,
+                &granting,
+                || leases.load(Ordering::SeqCst),
+                || std::thread::yield_now(),
+            ) {
+                quiet.store(true, Ordering::SeqCst);
+                closes.fetch_add(1, Ordering::Relaxed);
+                std::thread::yield_now();
+                // The advance that reopens it, after the quiet row would have committed.
+                quiet.store(false, Ordering::SeqCst);
+                horizon.store(1, Ordering::SeqCst);
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        for g in grants {
+            g.join().unwrap();
+        }
+        let (g, r, c) = (
+            granted.load(Ordering::Relaxed),
+            refused.load(Ordering::Relaxed),
+            closes.load(Ordering::Relaxed),
+        );
+        assert!(
+            g > 0 && r > 0 && c > 0,
+            "the race ran: {g} grants, {r} refused, {c} closes"
+        );
     }
 
     #[test]
