@@ -15,7 +15,7 @@ use super::segment::{segment, Segment};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
-use stage_e_core::lifecycle::{LeaseFile, SavedCap, SavedLease, StartKind};
+use stage_e_core::lifecycle::{self, LeaseFile, SavedCap, SavedLease, StartKind};
 
 /// In the data directory (the postmaster's working directory).
 const PENDING_FILE: &str = "pg_stat/stage_e_slots.pending";
@@ -33,8 +33,18 @@ pub(super) fn restore_pending(seg: &Segment) {
     };
     // Read once: after a crash the file must not be applied a second time.
     let _ = std::fs::remove_file(PENDING_FILE);
-    let Some(entries) = counters::decode(&text) else {
-        pgrx::log!("stage_e_slots: ignoring {PENDING_FILE}: not in the expected format");
+    let body = match lifecycle::unstamp(&text, major()) {
+        Ok(body) => body,
+        Err(e) => {
+            pgrx::log!("stage_e_slots: ignoring {PENDING_FILE}: {e}; its counts are lost");
+            return;
+        }
+    };
+    let Some(entries) = counters::decode(body) else {
+        pgrx::log!(
+            "stage_e_slots: ignoring {PENDING_FILE}: it is not in the expected format; its \
+             counts are lost"
+        );
         return;
     };
     for c in entries {
@@ -148,7 +158,10 @@ fn save_pending(seg: &Segment) {
     if pending.is_empty() {
         return;
     }
-    if write_file(PENDING_FILE, &counters::encode(&pending)) {
+    if write_file(
+        PENDING_FILE,
+        &lifecycle::stamp(major(), &counters::encode(&pending)),
+    ) {
         pgrx::log!(
             "stage_e_slots: saved pending counters of {} cap(s) to {PENDING_FILE}",
             pending.len()

@@ -282,6 +282,28 @@ impl std::fmt::Display for FileError {
     }
 }
 
+const STAMP: &str = "stage_e_slots major ";
+
+/// A saved file's text with a first line naming the server's major version, so that a file
+/// another major wrote is never read (the pending-counts file; the lease file has its own).
+pub fn stamp(major: u32, body: &str) -> String {
+    format!("{STAMP}{major}\n{body}")
+}
+
+/// The body of a text [`stamp`]ed by major `major`; a text without a stamp (written before
+/// 0.6.0, which only this server's own shutdown could have done) as it is.
+pub fn unstamp(text: &str, major: u32) -> Result<&str, FileError> {
+    let Some(rest) = text.strip_prefix(STAMP) else {
+        return Ok(text);
+    };
+    let (line, body) = rest.split_once('\n').ok_or(FileError::Corrupt(1))?;
+    match line.parse::<u32>() {
+        Ok(m) if m == major => Ok(body),
+        Ok(m) => Err(FileError::OtherMajor(m)),
+        Err(_) => Err(FileError::Corrupt(1)),
+    }
+}
+
 fn hex(s: &str) -> String {
     s.bytes().map(|b| format!("{b:02x}")).collect()
 }
@@ -551,10 +573,20 @@ mod unit {
             ) {
                 quiet.store(true, Ordering::SeqCst);
                 closes.fetch_add(1, Ordering::Relaxed);
-                std::thread::yield_now();
+                for _ in 0..20 {
+                    std::thread::yield_now(); // the quiet row being written and committed
+                }
                 // The advance that reopens it, after the quiet row would have committed.
                 quiet.store(false, Ordering::SeqCst);
                 horizon.store(1, Ordering::SeqCst);
+            }
+            // Stay open until some grant got through (briefly: the grants may be descheduled).
+            let seen = granted.load(Ordering::Relaxed);
+            for _ in 0..1_000 {
+                if granted.load(Ordering::Relaxed) > seen {
+                    break;
+                }
+                std::thread::yield_now();
             }
         }
         stop.store(true, Ordering::Relaxed);
@@ -637,6 +669,18 @@ mod unit {
         assert_eq!(LeaseFile::decode("", 18), Err(FileError::Corrupt(1)));
         assert_eq!(
             LeaseFile::decode("\u{0}\u{1}garbage", 18),
+            Err(FileError::Corrupt(1))
+        );
+        // The pending-counts file's stamp.
+        let body = "stage_e_slots pending counters v2\n1 61 2 3 4 5 6\n";
+        assert_eq!(unstamp(&stamp(15, body), 15), Ok(body));
+        assert_eq!(
+            unstamp(&stamp(15, body), 18),
+            Err(FileError::OtherMajor(15))
+        );
+        assert_eq!(unstamp(body, 18), Ok(body), "a file of 0.5.0, unstamped");
+        assert_eq!(
+            unstamp("stage_e_slots major x\n", 18),
             Err(FileError::Corrupt(1))
         );
         let empty = LeaseFile::default();
