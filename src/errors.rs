@@ -25,6 +25,15 @@ fn report(code: PgSqlErrorCode, message: String, detail: String, hint: Option<St
     unreachable!("ereport(ERROR) does not return")
 }
 
+/// Microseconds as seconds, for a message (`86400 s`, `0.25 s`).
+fn seconds(us: i64) -> String {
+    if us % 1_000_000 == 0 {
+        format!("{} s", us / 1_000_000)
+    } else {
+        format!("{} s", us as f64 / 1e6)
+    }
+}
+
 /// Raises `e` as an ERROR.
 pub fn raise(e: SlotError) -> ! {
     use PgSqlErrorCode::*;
@@ -105,6 +114,22 @@ pub fn raise(e: SlotError) -> ! {
             Some(
                 "Pass an interval longer than the work it guards, such as '30 s', and renew \
                  before it passes."
+                    .into(),
+            ),
+        ),
+        SlotError::TtlTooLong { ttl_us, max_us } => report(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!(
+                "ttl {} is longer than stage_e_slots.max_lease_ttl ({})",
+                seconds(ttl_us),
+                seconds(max_us)
+            ),
+            "A lease must be renewed at least once per stage_e_slots.max_lease_ttl, so that no \
+             holder keeps a slot unseen for longer; nothing was taken or changed."
+                .into(),
+            Some(
+                "Pass a shorter ttl and renew before it passes, or ask a superuser to raise \
+                 stage_e_slots.max_lease_ttl."
                     .into(),
             ),
         ),

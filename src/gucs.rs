@@ -20,6 +20,7 @@ pub const MAX_FLUSH_INTERVAL_MS: i32 = 3_600_000;
 pub const DEFAULT_LEASE_HORIZON_MARGIN_MS: i32 = 2_000;
 pub const MAX_LEASE_HORIZON_MARGIN_MS: i32 = 3_600_000;
 pub const MAX_RECOVERY_HOLD_MS: i32 = 86_400_000;
+pub const DEFAULT_MAX_LEASE_TTL_S: i32 = 86_400;
 
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
@@ -30,6 +31,7 @@ static FLUSH_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_FLUSH
 static LEASE_HORIZON_MARGIN_MS: GucSetting<i32> =
     GucSetting::<i32>::new(DEFAULT_LEASE_HORIZON_MARGIN_MS);
 static RECOVERY_HOLD_MS: GucSetting<i32> = GucSetting::<i32>::new(0);
+static MAX_LEASE_TTL_S: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_LEASE_TTL_S);
 
 pub fn init() {
     GucRegistry::define_int_guc(
@@ -108,6 +110,17 @@ pub fn init() {
         GucFlags::UNIT_MS,
     );
     GucRegistry::define_int_guc(
+        c"stage_e_slots.max_lease_ttl",
+        c"Longest ttl stage_e_lease and stage_e_renew accept.",
+        c"A longer ttl is refused (SQLSTATE 22023), so no role can hold a slot for longer \
+          without renewing, and no expiry can overflow. Only superusers may change it.",
+        &MAX_LEASE_TTL_S,
+        1,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
         c"stage_e_slots.recovery_hold",
         c"After a crash or a promotion, hold back every cap with a counter row this long.",
         c"For work that outlives its connection: a crash ends every session slot's connection, \
@@ -158,6 +171,11 @@ pub fn flush_interval() -> std::time::Duration {
 /// `stage_e_slots.lease_horizon_margin`, in microseconds.
 pub fn lease_horizon_margin_us() -> i64 {
     LEASE_HORIZON_MARGIN_MS.get() as i64 * 1_000
+}
+
+/// `stage_e_slots.max_lease_ttl`, in microseconds.
+pub fn max_lease_ttl_us() -> i64 {
+    MAX_LEASE_TTL_S.get() as i64 * 1_000_000
 }
 
 /// `stage_e_slots.recovery_hold`, in microseconds.

@@ -26,8 +26,6 @@ use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena;
 use stage_e_core::directory;
-use stage_e_core::lease::token_base;
-use stage_e_core::lifecycle;
 use stage_e_core::state::CapRef;
 use std::sync::atomic::Ordering;
 
@@ -153,10 +151,7 @@ impl Segment {
         e.set_block(block, arena::capacity(order));
         self.clear_block(e);
         e.clear_durable();
-        e.start_tokens(lifecycle::token_start(
-            token_base(now()),
-            durable::min_token(db),
-        ));
+        e.start_leases();
         let hash = directory::index_hash(db, name);
         e.set_identity(Identity {
             database: db,
@@ -238,10 +233,6 @@ impl Segment {
                 e.name(),
                 e.database(),
             );
-        }
-        if !dropped {
-            // Made again later, the cap's tokens must start above this one's.
-            durable::retire_tokens(e.database(), e.last_token());
         }
         self.index().remove(e.hash(), i, |o| self.entry(o).hash());
         self.buddy().free(e.block().0);

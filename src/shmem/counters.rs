@@ -42,8 +42,6 @@ impl Counters {
 #[repr(C, align(64))]
 pub(super) struct HotCounters {
     pub(super) counts: Counters,
-    /// The last fencing token handed out (`leases`).
-    pub(super) last_token: AtomicU64,
     /// Live leases, and no lease expires before `lease_due` (a lower bound; `leases`).
     pub(super) leases: AtomicU32,
     /// Lease grants between their room check and their lease record (`durable`'s "Quiet").

@@ -29,6 +29,7 @@
 //! rows, or found it has no table), and never back while the segment lives.
 
 use super::entry::CapEntry;
+use super::leases::{last_token, raise_tokens};
 use super::segment::segment;
 use super::Cap;
 use stage_e_core::lifecycle::{self, HoldReason, Room, StartKind};
@@ -69,9 +70,6 @@ pub(super) struct Durable {
 pub(super) struct DbRecord {
     oid: AtomicU32,
     state: AtomicU32,
-    /// Every cap made in this database starts its tokens above this (the highest floor loaded,
-    /// and the counters of its reclaimed caps).
-    min_token: AtomicU64,
 }
 
 /// The header's lifecycle fields.
@@ -120,10 +118,7 @@ impl CapEntry {
     pub(super) fn horizon_due(&self, now: i64, journal_every_us: i64) -> bool {
         let d = &self.durable;
         d.horizon_wanted.load(Ordering::Acquire) > d.horizon.load(Ordering::Acquire)
-            || lifecycle::floor_due(
-                self.counters.last_token.load(Ordering::Relaxed),
-                d.floor.load(Ordering::Acquire),
-            )
+            || lifecycle::floor_due(last_token(), d.floor.load(Ordering::Acquire))
             || (d.lease_changes.load(Ordering::Acquire)
                 != d.journal_written.load(Ordering::Acquire)
                 && now - d.journal_at.load(Ordering::Relaxed) >= journal_every_us)
@@ -227,7 +222,7 @@ impl Cap {
         // The count first: a change made while the leases are read is written next time.
         let changes = d.lease_changes.load(Ordering::Acquire);
         let live = self.leases();
-        let last = e.counters.last_token.load(Ordering::Acquire);
+        let last = last_token();
         let floor = d.floor.load(Ordering::Acquire);
         let horizon = if quiet {
             now
@@ -288,10 +283,9 @@ impl Cap {
     }
 
     /// The loader: the cap's committed row says its tokens reached at most `floor` and its
-    /// horizon is `horizon`; tokens start above the floor, and later writes keep the horizon.
+    /// horizon is `horizon`; later writes keep both.
     pub fn load_row(&self, floor: u64, horizon: i64) {
         let e = self.entry();
-        e.counters.last_token.fetch_max(floor, Ordering::AcqRel);
         e.durable.floor.fetch_max(floor, Ordering::AcqRel);
         e.durable.horizon.fetch_max(horizon, Ordering::AcqRel);
     }
@@ -391,11 +385,11 @@ pub fn request_load(db: u32) -> bool {
 }
 
 /// The flusher: database `db` is loaded (with or without the table); `min_token` is above
-/// every token its caps issued before. Later flushers refresh whether it has the table (it
-/// may have been updated since).
+/// every token its caps issued before, so the server's tokens go on above it. Later flushers
+/// refresh whether it has the table (it may have been updated since).
 pub fn mark_loaded(db: u32, has_table: bool, min_token: u64) {
     let Some(r) = record(db, true) else { return };
-    r.min_token.fetch_max(min_token, Ordering::AcqRel);
+    raise_tokens(min_token);
     r.state.store(
         if has_table { LOADED_WITH_TABLE } else { LOADED },
         Ordering::Release,
@@ -457,24 +451,10 @@ pub fn durable_watch() -> bool {
     })
 }
 
-/// The lowest counter a new cap of database `db` may start at.
-pub(super) fn min_token(db: u32) -> u64 {
-    record(db, false).map_or(0, |r| r.min_token.load(Ordering::Acquire))
-}
-
-/// A cap of `db` whose counter reached `last_token` is being reclaimed: caps made again later
-/// start above it.
-pub(super) fn retire_tokens(db: u32, last_token: u64) {
-    if let Some(r) = record(db, true) {
-        r.min_token.fetch_max(last_token, Ordering::AcqRel);
-    }
-}
-
 /// Database `db` was dropped: its record is free again.
 pub(super) fn forget_database(db: u32) {
     if let Some(r) = record(db, false) {
         r.state.store(UNLOADED, Ordering::Relaxed);
-        r.min_token.store(0, Ordering::Relaxed);
         r.oid.store(0, Ordering::Release);
     }
 }

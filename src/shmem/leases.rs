@@ -14,9 +14,12 @@
 //! lowers it again, as does every lease started meanwhile (after its slot record is set): so no
 //! lease is ever left out of it.
 //!
-//! **Tokens.** Every acquisition, session slot or lease, takes the next value of the cap's
-//! `last_token`, started when the entry is made above the clock-based base and above every
-//! durable floor known for its database (`stage_e_core::lease`, `stage_e_core::lifecycle`).
+//! **Tokens.** Every acquisition, session slot or lease, of any cap, takes the next value of
+//! one server-wide counter, so a token names one acquisition on the server whatever the cap
+//! (a token of one cap never matches another's lease). The counter starts at the clock-based
+//! base when the segment is made and is raised above every saved or durable floor before any
+//! cap of a database hands out a token (`stage_e_core::lease`, `stage_e_core::lifecycle`).
+//! It is a cache line of its own in the header (`lifecycle::TokenCounter`).
 //!
 //! **Restored leases.** A lease an earlier server granted is put back on its own slot with its
 //! own token (`restore_lease`): at start from the lease file of a clean shutdown, by the loader
@@ -31,6 +34,18 @@ use stage_e_core::lease::{self, LeaseState};
 use stage_e_core::occupancy;
 use stage_e_core::state::CapRef;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
+
+/// The server's last token (0 when not attached).
+pub(super) fn last_token() -> u64 {
+    segment().map_or(0, |seg| seg.header.tokens.last())
+}
+
+/// Tokens go on above `floor`.
+pub(super) fn raise_tokens(floor: u64) {
+    if let Some(seg) = segment() {
+        seg.header.tokens.raise(floor);
+    }
+}
 
 /// A lease: FREE, or LIVE on slot `slot` of the cap in entry `entry` at `generation`, or BUSY
 /// while one process reads and changes it.
@@ -98,35 +113,20 @@ impl LeaseRecord {
 }
 
 impl CapEntry {
-    /// The cap's last token.
-    pub(super) fn last_token(&self) -> u64 {
-        self.counters.last_token.load(Ordering::Acquire)
-    }
-
-    /// Under the exclusive directory lock, creating: the cap's first token and no lease.
-    pub(super) fn start_tokens(&self, base: u64) {
-        self.counters.last_token.store(base, Ordering::Relaxed);
+    /// Under the exclusive directory lock, creating: no lease.
+    pub(super) fn start_leases(&self) {
         self.counters.leases.store(0, Ordering::Relaxed);
         self.counters.lease_due.store(i64::MAX, Ordering::Relaxed);
     }
 }
 
 impl Cap {
-    /// The next fencing token of this cap.
+    /// The next fencing token (server-wide).
     pub fn next_token(&self) -> u64 {
-        self.entry()
-            .counters
-            .last_token
-            .fetch_add(1, Ordering::Relaxed)
-            + 1
-    }
-
-    /// Restored at start: the cap's counter reached `last_token` on the server that saved it.
-    pub fn restore_tokens(&self, last_token: u64) {
-        self.entry()
-            .counters
-            .last_token
-            .fetch_max(last_token, Ordering::AcqRel);
+        match segment() {
+            Some(seg) => seg.header.tokens.next(),
+            None => 0,
+        }
     }
 
     /// Live leases of this cap.
@@ -161,10 +161,7 @@ impl Cap {
             return false; // dropping the claim clears the bit
         }
         claim.keep();
-        self.entry()
-            .counters
-            .last_token
-            .fetch_max(token, Ordering::AcqRel);
+        raise_tokens(token);
         true
     }
 

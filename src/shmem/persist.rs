@@ -2,8 +2,9 @@
 //! at start, as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
 //! `stage_e_core::counters::{encode, decode}` and `stage_e_core::lifecycle::LeaseFile`.
 //!
-//! Only the postmaster touches the files: at a clean shutdown (exit code 0) every backend and
-//! worker is gone, so each cap's pending counts, token counter and leases are final; at start
+//! Only the postmaster touches the files: at a clean shutdown (exit code 0, and a control file
+//! that says "shut down": an immediate shutdown also exits with 0, but like a crash it kills
+//! the backends mid-way and writes no shutdown checkpoint) every backend and worker is gone, so each cap's pending counts, token counter and leases are final; at start
 //! (and after a crash reset) no backend runs yet. A crash writes nothing: at most one flush
 //! interval of counts is lost, as documented, and the leases are covered by the durable horizon
 //! instead (`durable`). Each file is removed once read, so it is never applied twice, and a
@@ -15,7 +16,7 @@ use super::segment::{segment, Segment};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
-use stage_e_core::lifecycle::{self, LeaseFile, SavedCap, SavedLease, StartKind};
+use stage_e_core::lifecycle::{self, LeaseFile, SavedLease, StartKind};
 
 /// In the data directory (the postmaster's working directory).
 const PENDING_FILE: &str = "pg_stat/stage_e_slots.pending";
@@ -64,7 +65,8 @@ pub(super) fn restore_pending(seg: &Segment) {
 /// token counters are put back exactly; a standby (or an archive recovery) takes none, since
 /// its end is a promotion and the durable horizon covers that.
 pub(super) fn restore_leases(seg: &Segment) -> StartKind {
-    let text = std::fs::read_to_string(LEASE_FILE);
+    // Bytes first: a file that is not even text is corrupt, not missing.
+    let text = std::fs::read(LEASE_FILE).map(|b| String::from_utf8_lossy(&b).into_owned());
     let _ = std::fs::remove_file(LEASE_FILE);
     let standby = ["standby.signal", "recovery.signal"]
         .iter()
@@ -92,17 +94,8 @@ pub(super) fn restore_leases(seg: &Segment) -> StartKind {
             return StartKind::Crash;
         }
     };
+    seg.header.tokens.raise(file.last_token);
     let mut lost = 0;
-    for c in &file.caps {
-        match restore_at_start(seg, c.database, &c.cap, c.capacity) {
-            Ok(cap) => cap.restore_tokens(c.last_token),
-            Err(e) => pgrx::log!(
-                "stage_e_slots: could not restore cap \"{}\" of database {}: {e:?}",
-                c.cap,
-                c.database
-            ),
-        }
-    }
     for l in &file.leases {
         let restored = restore_at_start(seg, l.database, &l.cap, l.slot + 1)
             .is_ok_and(|cap| cap.restore_lease(l.slot, l.token, l.acquired_at, l.expires_at));
@@ -121,9 +114,8 @@ pub(super) fn restore_leases(seg: &Segment) -> StartKind {
     }
     if !file.leases.is_empty() {
         pgrx::log!(
-            "stage_e_slots: restored {} lease(s) of {} cap(s) from {LEASE_FILE}",
-            file.leases.len(),
-            file.caps.len()
+            "stage_e_slots: restored {} lease(s) from {LEASE_FILE}",
+            file.leases.len()
         );
     }
     StartKind::Clean
@@ -137,12 +129,27 @@ pub(super) fn save_at_shutdown() {
 
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn save_at_exit(code: i32, _arg: pg_sys::Datum) {
-    if code != 0 {
+    if code != 0 || !shut_down_cleanly() {
         return;
     }
     let Some(seg) = segment() else { return };
     save_pending(seg);
     save_leases(seg);
+}
+
+/// Whether the control file says the server shut down cleanly (a smart or fast shutdown's
+/// checkpoint, written before the postmaster exits).
+fn shut_down_cleanly() -> bool {
+    use pg_sys::DBState::{DB_SHUTDOWNED, DB_SHUTDOWNED_IN_RECOVERY};
+    let mut crc_ok = false;
+    // SAFETY: as pg_control_system() does: DataDir is the postmaster's data directory, and
+    // get_controlfile reads pg_control into palloc'd memory, read at once.
+    unsafe {
+        let cf = pg_sys::get_controlfile(pg_sys::DataDir, &mut crc_ok);
+        crc_ok
+            && !cf.is_null()
+            && matches!((*cf).state, DB_SHUTDOWNED | DB_SHUTDOWNED_IN_RECOVERY)
+    }
 }
 
 fn save_pending(seg: &Segment) {
@@ -172,7 +179,10 @@ fn save_pending(seg: &Segment) {
 /// Always written at a clean shutdown, also with no lease: its presence marks the start as
 /// clean.
 fn save_leases(seg: &Segment) {
-    let mut file = LeaseFile::default();
+    let mut file = LeaseFile {
+        last_token: seg.header.tokens.last(),
+        leases: Vec::new(),
+    };
     for (i, e) in seg.entries.iter().enumerate() {
         if !e.in_use() {
             continue;
@@ -180,12 +190,6 @@ fn save_leases(seg: &Segment) {
         let Some(cap): Option<Cap> = pin(e.state.cap_ref(i as u32)) else {
             continue;
         };
-        file.caps.push(SavedCap {
-            database: cap.database(),
-            cap: cap.name(),
-            last_token: e.last_token(),
-            capacity: cap.capacity(),
-        });
         file.leases
             .extend(cap.leases().into_iter().map(|l| SavedLease {
                 database: cap.database(),

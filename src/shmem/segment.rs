@@ -22,6 +22,8 @@ use pgrx::pg_sys;
 use stage_e_core::arena::{self, Buddy};
 use stage_e_core::directory::{self, Index};
 use stage_e_core::layout::{self, Counts, Layout, Sizes};
+use stage_e_core::lease::token_base;
+use stage_e_core::lifecycle::TokenCounter;
 use stage_e_core::occupancy;
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
@@ -38,6 +40,8 @@ pub(super) struct Header {
     pub(super) last_flush_id: AtomicU64,
     pub(super) launcher: launcher::Launcher,
     pub(super) lifecycle: durable::Lifecycle,
+    /// The last fencing token handed out, of any cap (`leases`).
+    pub(super) tokens: TokenCounter,
 }
 
 const _: () = assert!(size_of::<Header>().is_multiple_of(layout::CACHE_LINE));
@@ -176,6 +180,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
     let seg = segment().expect("just attached");
     if !found {
         seg.buddy().reset();
+        seg.header.tokens.start(token_base(now()));
     }
     // SAFETY: a flag of this process, set at start.
     if unsafe { !pg_sys::IsUnderPostmaster } {
@@ -289,6 +294,11 @@ fn locked_by<R>(
     unsafe { pg_sys::LWLockAcquire(lock, mode) };
     let _guard = Guard(lock);
     f()
+}
+
+fn now() -> i64 {
+    // SAFETY: reads the clock.
+    unsafe { pg_sys::GetCurrentTimestamp() }
 }
 
 /// A plain sleep of `us` microseconds (no lock or pin may be held by the caller that another

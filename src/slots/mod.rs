@@ -45,6 +45,8 @@ pub enum SlotError {
     NegativeWait,
     /// A lease's ttl must be positive.
     BadTtl,
+    /// A lease's ttl must be at most `stage_e_slots.max_lease_ttl` (`max_us`).
+    TtlTooLong { ttl_us: i64, max_us: i64 },
     /// Every lease record is in use.
     NoLeaseRecord {
         max_leases: u32,
@@ -330,6 +332,10 @@ fn check_ttl(ttl_us: Option<i64>) -> Result<i64, SlotError> {
     match ttl_us {
         None => Err(SlotError::NullArgument { name: "ttl" }),
         Some(t) if t <= 0 => Err(SlotError::BadTtl),
+        Some(t) if t > gucs::max_lease_ttl_us() => Err(SlotError::TtlTooLong {
+            ttl_us: t,
+            max_us: gucs::max_lease_ttl_us(),
+        }),
         Some(t) => Ok(t),
     }
 }

@@ -75,11 +75,35 @@ pub fn floor_due(last_token: u64, floor: u64) -> bool {
     last_token.saturating_add(TOKEN_RESERVE / 2) > floor
 }
 
-/// The first token counter value of a cap made at clock `clock_base` (`lease::token_base`)
-/// whose committed floor (or its database's) is `floor`: above both, so above every token an
-/// earlier server issued, even when this server's clock is behind.
-pub fn token_start(clock_base: u64, floor: u64) -> u64 {
-    clock_base.max(floor)
+/// The server's fencing-token counter: every acquisition of any cap takes the next value. It
+/// starts at the clock-based base (`lease::token_base`) and is raised above every saved or
+/// durable floor before a token is handed out where that floor applies, so tokens keep
+/// growing across a restart also when the new server's clock is behind the old one's.
+/// A cache line of its own: every acquisition writes it.
+#[repr(C, align(64))]
+#[derive(Default)]
+pub struct TokenCounter(std::sync::atomic::AtomicU64);
+
+impl TokenCounter {
+    /// When the segment is made.
+    pub fn start(&self, clock_base: u64) {
+        self.0.store(clock_base, Ordering::Relaxed);
+    }
+
+    /// Tokens go on above `floor`.
+    pub fn raise(&self, floor: u64) {
+        self.0.fetch_max(floor, Ordering::AcqRel);
+    }
+
+    /// The next token.
+    pub fn next(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The last token handed out.
+    pub fn last(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
 /// A lease grant between its room check and its lease record: a close waits for it
@@ -235,15 +259,6 @@ pub fn encode_journal(leases: &[JournalLease]) -> String {
     out
 }
 
-/// A saved cap: its counter and the largest n its block held.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SavedCap {
-    pub database: u32,
-    pub cap: String,
-    pub last_token: u64,
-    pub capacity: u32,
-}
-
 /// A saved lease.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SavedLease {
@@ -255,10 +270,10 @@ pub struct SavedLease {
     pub expires_at: i64,
 }
 
-/// The lease file of a clean shutdown: every live cap's token counter and every live lease.
+/// The lease file of a clean shutdown: the server's last token and every live lease.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaseFile {
-    pub caps: Vec<SavedCap>,
+    pub last_token: u64,
     pub leases: Vec<SavedLease>,
 }
 
@@ -322,17 +337,10 @@ fn unhex(h: &str) -> Option<String> {
 impl LeaseFile {
     /// The file's text, stamped with the server's major version.
     pub fn encode(&self, major: u32) -> String {
-        let mut out = format!("{LEASE_FILE_HEADER}\nmajor {major}\n");
-        for c in &self.caps {
-            let _ = writeln!(
-                out,
-                "cap {} {} {} {}",
-                c.database,
-                hex(&c.cap),
-                c.last_token,
-                c.capacity
-            );
-        }
+        let mut out = format!(
+            "{LEASE_FILE_HEADER}\nmajor {major}\ntokens {}\n",
+            self.last_token
+        );
         for l in &self.leases {
             let _ = writeln!(
                 out,
@@ -366,20 +374,18 @@ impl LeaseFile {
         if written_by != major {
             return Err(FileError::OtherMajor(written_by));
         }
-        let mut file = LeaseFile::default();
+        let (i, tokens) = lines.next().ok_or(corrupt(3))?;
+        let mut file = LeaseFile {
+            last_token: tokens
+                .strip_prefix("tokens ")
+                .and_then(|t| t.parse().ok())
+                .ok_or(corrupt(i))?,
+            leases: Vec::new(),
+        };
         for (i, line) in lines {
             let w: Vec<&str> = line.split(' ').collect();
             let parsed = match w.as_slice() {
                 ["end"] => return Ok(file),
-                ["cap", db, name, token, capacity] => (|| {
-                    file.caps.push(SavedCap {
-                        database: db.parse().ok()?,
-                        cap: unhex(name)?,
-                        last_token: token.parse().ok()?,
-                        capacity: capacity.parse().ok()?,
-                    });
-                    Some(())
-                })(),
                 ["lease", db, name, slot, token, acquired, expires] => (|| {
                     file.leases.push(SavedLease {
                         database: db.parse().ok()?,
@@ -456,26 +462,32 @@ mod unit {
     #[test]
     fn tokens_keep_growing_when_the_new_servers_clock_is_behind() {
         let old_clock = 1_800_000_000 * S;
-        let mut last = token_base(old_clock);
+        let old = TokenCounter::default();
+        old.start(token_base(old_clock));
         let mut floor = 0;
         let mut issued = Vec::new();
-        for i in 0..10_000u64 {
-            last += 1 + i % 3;
-            if floor_due(last, floor) {
-                floor = floor_target(last); // the committed write
+        for _ in 0..10_000u64 {
+            let t = old.next();
+            if floor_due(t, floor) {
+                floor = floor_target(t); // the committed write
             }
-            assert!(last <= floor, "no token past the committed floor");
-            issued.push(last);
+            assert!(t <= floor, "no token past the committed floor");
+            issued.push(t);
         }
-        let behind = old_clock - 3_600 * S;
-        let start = token_start(token_base(behind), floor);
-        let next = start + 1;
-        assert!(issued.iter().all(|&t| t < next));
+        // The crash: a new server whose clock is an hour behind loads the floor.
+        let new = TokenCounter::default();
+        new.start(token_base(old_clock - 3_600 * S));
+        new.raise(floor);
+        let next = new.next();
+        assert!(
+            issued.iter().all(|&t| t < next),
+            "above every earlier token"
+        );
         // With the clock ahead, the clock wins (tokens stay clock-like).
-        let ahead = token_base(old_clock + 3_600 * S);
-        assert_eq!(token_start(ahead, floor), ahead);
-        // A cap never seen before (floor 0) starts at the clock.
-        assert_eq!(token_start(token_base(behind), 0), token_base(behind));
+        let ahead = TokenCounter::default();
+        ahead.start(token_base(old_clock + 3_600 * S));
+        ahead.raise(floor);
+        assert_eq!(ahead.last(), token_base(old_clock + 3_600 * S));
     }
 
     #[test]
@@ -627,20 +639,7 @@ mod unit {
 
     fn sample() -> LeaseFile {
         LeaseFile {
-            caps: vec![
-                SavedCap {
-                    database: 5,
-                    cap: "jobs".into(),
-                    last_token: 1 << 61,
-                    capacity: 15,
-                },
-                SavedCap {
-                    database: 5,
-                    cap: "with space é".into(),
-                    last_token: 9,
-                    capacity: 1023,
-                },
-            ],
+            last_token: 1 << 61,
             leases: vec![SavedLease {
                 database: 5,
                 cap: "with space é".into(),
@@ -665,7 +664,7 @@ mod unit {
             Err(FileError::Corrupt(_))
         ));
         let garbled = text.replace("lease 5", "lease x");
-        assert_eq!(LeaseFile::decode(&garbled, 18), Err(FileError::Corrupt(5)));
+        assert_eq!(LeaseFile::decode(&garbled, 18), Err(FileError::Corrupt(4)));
         assert_eq!(LeaseFile::decode("", 18), Err(FileError::Corrupt(1)));
         assert_eq!(
             LeaseFile::decode("\u{0}\u{1}garbage", 18),
