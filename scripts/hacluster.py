@@ -245,7 +245,9 @@ class HACluster:
     # -- bring-up ------------------------------------------------------------------------
     def up(self) -> "HACluster":
         """etcd, then n1 until it is the primary, then n2 until it streams from n1. Records
-        the seconds each took in `timings`."""
+        the seconds each took in `timings`. Call it from a thread that lives as long as the
+        cluster (the main thread): the kernel's parent-death signal follows the thread that
+        started the daemons, not the process."""
         atexit.register(self.down)
         if threading.current_thread() is threading.main_thread() and \
                 signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
