@@ -6,8 +6,11 @@
 # driver matrix runs (tests/test_drivers.py: PostgreSQL 15, or STAGE_E_DRIVER_TESTS=1), also the
 # drivers: Debian's ruby-pg, Go with pgx v4 (Debian's packaged Go modules: the Go module proxy
 # is not used), a JDK and the PostgreSQL JDBC driver, npm when there is none, node-postgres
-# from npm into tests/drivers/node, and asyncpg and psycopg2 in the venv. As a non-root user
-# it only lists what is missing. Usage: install-deps.sh [MAJOR [PG_CONFIG]]
+# from npm into tests/drivers/node, and asyncpg and psycopg2 in the venv. Where the Patroni
+# failover test runs (tests/test_patroni.py: PostgreSQL 15, or STAGE_E_PATRONI_TESTS=1), also
+# Debian's patroni and etcd-server, with the services they enable disabled (the test starts its
+# own etcd and Patroni on other ports). As a non-root user it only lists what is missing.
+# Usage: install-deps.sh [MAJOR [PG_CONFIG]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +25,12 @@ if [ "$MAJOR" = 15 ] || [ "${STAGE_E_DRIVER_TESTS:-}" = 1 ]; then
   DRIVERS=1
   PACKAGES+=(ruby-pg golang-go golang-github-jackc-pgx-v4-dev default-jdk-headless
              libpostgresql-jdbc-java npm)
+fi
+# So does the Patroni failover test, unless STAGE_E_PATRONI_TESTS=1.
+PATRONI=0
+if [ "$MAJOR" = 15 ] || [ "${STAGE_E_PATRONI_TESTS:-}" = 1 ]; then
+  PATRONI=1
+  PACKAGES+=(patroni etcd-server)
 fi
 
 missing=()
@@ -55,6 +64,33 @@ if ((${#missing[@]})); then
     update-rc.d pgbouncer disable >/dev/null 2>&1 || true
     service pgbouncer stop >/dev/null 2>&1 || true
   fi
+fi
+
+# The packages enable Debian's etcd (2379/2380) and patroni services at boot, and their postinst
+# starts them wherever policy-rc.d allows it; scripts/hacluster.py starts its own, so disable
+# both and stop whatever of them runs. Checked on every run (cheap, and an install interrupted
+# before this point still gets it), and silent when there is nothing to do.
+if [ "$PATRONI" = 1 ] && [ "$(id -u)" -eq 0 ] && [ -e /etc/init.d/etcd ]; then
+  for svc in etcd patroni; do
+    if compgen -G "/etc/rc[2-5].d/S*$svc" >/dev/null; then
+      echo "==> disabling the $svc service the package enabled"
+      update-rc.d "$svc" disable >/dev/null 2>&1 || true
+    fi
+    if [ -d /run/systemd/system ] && systemctl -q is-enabled "$svc" 2>/dev/null; then
+      systemctl disable --now "$svc" >/dev/null 2>&1 || true
+    fi
+    if "/etc/init.d/$svc" status >/dev/null 2>&1; then
+      echo "==> stopping the $svc service"
+      "/etc/init.d/$svc" stop >/dev/null 2>&1 || true
+    fi
+  done
+  # Debian's default etcd listens on 2379; ours never does (hacluster.py uses 571xx).
+  for pid in $(ss -Hltnp 'sport = :2379' 2>/dev/null | grep -o 'pid=[0-9]*' | cut -d= -f2 | sort -u); do
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = etcd ]; then
+      echo "==> stopping the default etcd (pid $pid) on port 2379"
+      kill "$pid" 2>/dev/null || true
+    fi
+  done
 fi
 
 if ! cargo pgrx --version 2>/dev/null | grep -q " $PGRX_VERSION"; then
