@@ -129,6 +129,29 @@ def crash_restart(c):
     return since, started
 
 
+def backend_crash(c):
+    """kill -9 of a backend: the postmaster resets shared memory (a crash reset, no new start).
+    Returns the log offset before it."""
+    since = len(c.log_text())
+    victim = c.connect(DB, "victim")
+    os.kill(victim.info.backend_pid, signal.SIGKILL)
+    wait_for(lambda: "all server processes terminated; reinitializing" in c.log_text()[since:],
+             timeout=30, what="the crash reset")
+    victim.close()
+    wait_accepting(c)
+    return since
+
+
+def immediate_restart(c):
+    """pg_ctl stop -m immediate, then start: crash recovery. Returns the log offset."""
+    c.stop("immediate")
+    since = len(c.log_text())
+    c.start()
+    assert "not properly shut down" in c.log_text()[since:], "the start was not a crash recovery"
+    wait_accepting(c)
+    return since
+
+
 def promote(standby):
     """pg_ctl promote (waiting for it). Returns (log offset before it, monotonic time it began)."""
     since, started = len(standby.log_text()), time.monotonic()
@@ -252,20 +275,21 @@ def take(conn, cap, n, leases, ttl, session_slots=0):
                        time.monotonic())
 
 
-def assert_held_back(conn, out, reason):
+def assert_held_back(conn, out, reason, event=None):
     """`out.cap` is held back (and no other cap is): a new lease and a new session slot are
     NULL and counted as throttled, although the cap has free slots; stage_e_held_back lists it
     with `reason` and a held_until at least the latest expiry granted before + the margin.
     Returns held_until."""
+    event = event or f"the {reason}"
     before = stats(conn, out.cap)["throttled"]
     got = lease(conn, out.cap, out.n, "5 s")
     assert got == (None, None), (
-        f"cap {out.cap} is not held back after the {reason}: a new lease got {got}")
+        f"cap {out.cap} is not held back after {event}: a new lease got {got}")
     slot = try_slot(conn, out.cap, out.n)
-    assert slot is None, f"cap {out.cap} is not held back after the {reason}: got slot {slot}"
+    assert slot is None, f"cap {out.cap} is not held back after {event}: got slot {slot}"
     assert stats(conn, out.cap)["throttled"] == before + 2
     rows = held_back(conn)
-    assert [(cap, why) for cap, _, why in rows] == [(out.cap, reason)], rows
+    assert [(cap, why) for cap, _, why in rows] == [(out.cap, reason)], (event, rows)
     until = rows[0][1]
     assert until >= out.latest_expiry + MARGIN, (until, out.latest_expiry)
     assert until > server_now(conn)
@@ -403,6 +427,29 @@ def test_after_a_crash_a_cap_with_live_leases_is_held_back_and_its_leases_reclai
             assert_hold_is_kept(s, out)
             assert_logged_hold(c, since, "jobs", "crash", until)
         assert_hold_ends(c, out, until)
+
+
+def test_a_backend_crash_reset_and_an_immediate_stop_are_crashes_too():
+    """The other crashes of the spec's table: a backend killed (the postmaster resets shared
+    memory) and pg_ctl stop -m immediate. Each holds back the cap with reason 'crash' and lets
+    its holder reclaim; a reclaimed lease is journalled again and survives the next crash."""
+    with running("life_resets") as c:
+        with c.connect(DB) as s:
+            out = take(s, "jobs", 2, leases=1, ttl="1 min")
+            journaled = wait_journaled(s, "jobs", out.tokens, out.taken_at + JOURNAL_LAG)
+        for crash, event in [(backend_crash, "a backend crash and reset"),
+                             (immediate_restart, "pg_ctl stop -m immediate")]:
+            since = crash(c)
+            with c.connect(DB) as s:
+                until = assert_held_back(s, out, "crash", event)
+                assert journaled, "no stage_e_lease_horizon"
+                assert_reclaims(s, out)
+                assert_logged_hold(c, since, "jobs", "crash", until)
+                reclaimed = time.monotonic()
+                # Renewed far enough to outlive the next crash, and journalled again.
+                assert renew(s, "jobs", *out.leases[0][:2], "1 min") is True
+                out.leases[0] = (*out.leases[0][:2], holders(s, "jobs")[0]["expires_at"])
+                assert wait_journaled(s, "jobs", out.tokens, reclaimed + JOURNAL_LAG)
 
 
 # -- 3. promotion ------------------------------------------------------------------------------
