@@ -13,7 +13,7 @@ use crate::shmem::{self, Cap, CapRef};
 use crate::sql::{self, Extension};
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
-use stage_e_core::lifecycle::{self, StartKind};
+use stage_e_core::lifecycle;
 
 /// A journal is rewritten at most this often per cap (while its leases change).
 pub const JOURNAL_EVERY_US: i64 = 1_000_000;
@@ -24,7 +24,8 @@ struct Row {
     horizon: i64,
     floor: u64,
     n: u32,
-    journal: Vec<(u32, u64, i64)>,
+    /// (slot, token, expires_at, owner) of each journaled lease.
+    journal: Vec<(u32, u64, i64, u32)>,
 }
 
 fn ts(us: i64) -> String {
@@ -77,8 +78,11 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
         let cap = make_cap(db, &row.cap, row.n)?;
         cap.load_row(row.floor, row.horizon);
         let mut reclaimable = 0;
-        for &(slot, token, expires_at) in &row.journal {
-            if expires_at > now && slot < row.n && cap.restore_lease(slot, token, now, expires_at) {
+        for &(slot, token, expires_at, owner) in &row.journal {
+            if expires_at > now
+                && slot < row.n
+                && cap.restore_lease(slot, token, now, expires_at, owner)
+            {
                 reclaimable += 1;
             }
         }
@@ -98,18 +102,6 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
         }
     }
     shmem::mark_loaded(db, true, min_token);
-    if holds {
-        let why = if kind == StartKind::Standby {
-            "promotion"
-        } else {
-            "crash"
-        };
-        log!(
-            "stage_e_slots: loaded the lease horizons of database \"{database}\" after a {why}: \
-             {} cap(s) with a row",
-            rows.len()
-        );
-    }
     Ok(())
 }
 
@@ -151,7 +143,7 @@ fn read_rows(ext: &Extension) -> pgrx::spi::Result<Vec<Row>> {
     sql::read(|c| {
         let mut rows = Vec::new();
         for r in c.select(&sql::horizon_rows_query(ext), None, &[])? {
-            let journal: Vec<(u32, u64, i64)> = r
+            let journal: Vec<(u32, u64, i64, u32)> = r
                 .get::<String>(5)?
                 .and_then(|j| serde_json::from_str(&j).ok())
                 .unwrap_or_default();

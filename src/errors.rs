@@ -34,6 +34,17 @@ fn seconds(us: i64) -> String {
     }
 }
 
+/// A LOG line for the server log only (errhidefromclient), for what the client of this
+/// backend must not see.
+pub fn log_server_only(message: String) {
+    ErrorReport::new(
+        PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+        message,
+        "stage_e_slots",
+    )
+    .report(PgLogLevel::LOG_SERVER_ONLY);
+}
+
 /// Raises `e` as an ERROR.
 pub fn raise(e: SlotError) -> ! {
     use PgSqlErrorCode::*;
@@ -181,6 +192,21 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
+        SlotError::NotLeaseOwner { cap, slot, owner } => report(
+            ERRCODE_INSUFFICIENT_PRIVILEGE,
+            format!(
+                "permission denied to renew or release the lease of slot {slot} of cap \"{cap}\""
+            ),
+            format!(
+                "The lease belongs to role {}, which took it; nothing was changed.",
+                crate::session::role_name(owner)
+            ),
+            Some(
+                "Renew or release a lease as the role that took it, a member of that role, or \
+                 a member of pg_signal_backend (for a lease not taken by a superuser)."
+                    .into(),
+            ),
+        ),
         SlotError::NeedsRoom { .. } => report(
             ERRCODE_INTERNAL_ERROR,
             "stage_e_slots: a lease waited for its horizon outside its retry".into(),
@@ -322,10 +348,10 @@ pub fn warn_not_current(
     slot: i32,
     current: Option<crate::shmem::LeaseInfo>,
 ) {
+    // Never the current token: it is the current holder's key to its slot.
     let detail = match current {
-        Some(l) => format!(
-            "Slot {slot} of cap \"{cap}\" is leased under token {}; it keeps the slot.",
-            l.token
+        Some(_) => format!(
+            "Slot {slot} of cap \"{cap}\" is leased under another token; its holder keeps it."
         ),
         None => format!("Slot {slot} of cap \"{cap}\" has no live lease."),
     };

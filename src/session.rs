@@ -160,6 +160,54 @@ pub fn connectable_databases() -> Vec<u32> {
     out
 }
 
+// -- whose leases it may touch and see (PostgreSQL's own rules for other sessions) ---------
+
+/// The current role (a SECURITY DEFINER function's owner inside it, as PostgreSQL checks).
+pub fn user_id() -> u32 {
+    // SAFETY: a backend-local variable set by authentication and SET ROLE.
+    unsafe { pg_sys::GetUserId() }.to_u32()
+}
+
+/// Whether the current role may renew or release a lease `owner` took: as `pg_terminate_backend`
+/// decides for another session: the owner's privileges, or `pg_signal_backend`'s for a lease
+/// not taken by a superuser.
+pub fn may_act_for(owner: u32) -> bool {
+    let me = pg_sys::Oid::from(user_id());
+    let owner = pg_sys::Oid::from(owner);
+    // SAFETY: catalog lookups of role membership, inside the caller's transaction.
+    unsafe {
+        pg_sys::has_privs_of_role(me, owner)
+            || (!pg_sys::superuser_arg(owner)
+                && pg_sys::has_privs_of_role(me, pg_sys::Oid::from(pg_sys::ROLE_PG_SIGNAL_BACKEND)))
+    }
+}
+
+/// A role's name, for a message (its oid if it was dropped).
+pub fn role_name(role: u32) -> String {
+    // SAFETY: a syscache lookup; GetUserNameFromId with noerr returns NULL for a dropped role,
+    // and the palloc'd name is copied at once.
+    unsafe {
+        let p = pg_sys::GetUserNameFromId(pg_sys::Oid::from(role), true);
+        if p.is_null() {
+            format!("with oid {role}")
+        } else {
+            format!("\"{}\"", CStr::from_ptr(p).to_string_lossy())
+        }
+    }
+}
+
+/// Whether the current role may see the token of a lease `owner` took: as
+/// `pg_stat_activity` shows another session's query, the owner's privileges or
+/// `pg_read_all_stats`'.
+pub fn may_see_token_of(owner: u32) -> bool {
+    let me = pg_sys::Oid::from(user_id());
+    // SAFETY: catalog lookups of role membership, inside the caller's transaction.
+    unsafe {
+        pg_sys::has_privs_of_role(me, pg_sys::Oid::from(owner))
+            || pg_sys::has_privs_of_role(me, pg_sys::Oid::from(pg_sys::ROLE_PG_READ_ALL_STATS))
+    }
+}
+
 /// Whether this process is a parallel worker or a leader running a parallel query.
 pub fn in_parallel_mode() -> bool {
     ffi::is_in_parallel_mode()

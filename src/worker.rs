@@ -57,8 +57,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     let mut last_round = Instant::now();
     let mut last_sample: Option<Instant> = None;
     let mut first = true;
-    let mut last_durable = Instant::now();
-    let mut backoff = Duration::ZERO;
+    let mut backoff = Backoff::default();
     shmem::launcher_wakeup(true);
     shmem::note_recovered(session::now());
     if shmem::start_kind().holds() {
@@ -85,19 +84,20 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         // one that needs a horizon advance or a load asks for those (shmem::request_advance).
         let asked = shmem::launcher_wakeup(false);
         shmem::advance_requested();
-        let durable_work = durable_work();
         // Work still due right after a round for it means its flusher failed (the log says
-        // why): back off, so that a failing database does not keep the launcher forking.
-        let retry_at = last_durable + backoff;
-        let durable_now = !durable_work.is_empty() && now >= retry_at;
+        // why): that database backs off, so that it neither keeps the launcher forking nor
+        // delays the others.
+        let work = durable_work();
+        let (ready, retry_at) = backoff.ready(&work, now);
+        let durable_now = !ready.is_empty();
         if !first && !asked && now < due && !durable_now {
             let next_sample = last_sample.map_or(now, |t| t + sample_every);
             let mut wake = due.min(next_sample).max(now);
             if shmem::durable_watch() {
                 wake = wake.min(now + JOURNAL_LOOK);
             }
-            if !durable_work.is_empty() {
-                wake = wake.min(retry_at);
+            if let Some(at) = retry_at {
+                wake = wake.min(at.max(now));
             }
             if !BackgroundWorker::wait_latch(Some(wake - now)) {
                 break;
@@ -113,22 +113,8 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         if counters {
             last_round = now;
         }
-        let ran = if durable_now {
-            durable_work
-        } else {
-            Vec::new()
-        };
-        let durable_ran = !ran.is_empty();
-        flush_round(counters, ran.clone());
-        if durable_ran {
-            last_durable = Instant::now();
-            let still = self::durable_work();
-            backoff = if ran.iter().any(|d| still.contains(d)) {
-                (backoff * 2).clamp(MIN_BACKOFF, MAX_BACKOFF)
-            } else {
-                Duration::ZERO
-            };
-        }
+        let failed = flush_round(counters, ready.clone());
+        backoff.after_round(&ready, &failed, Instant::now());
     }
     // Counts still pending now are saved by the postmaster at shutdown (see shmem).
 }
@@ -138,6 +124,40 @@ const JOURNAL_LOOK: Duration = Duration::from_millis(1_000);
 /// The backoff after a round whose durable work is still due, doubled up to the maximum.
 const MIN_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Per database whose flusher failed: when to try again, and
+/// the backoff (doubled each time, from [`MIN_BACKOFF`] to [`MAX_BACKOFF`]).
+#[derive(Default)]
+struct Backoff(std::collections::HashMap<u32, (Instant, Duration)>);
+
+impl Backoff {
+    /// The databases of `work` that may run now, and the earliest retry of the others.
+    fn ready(&self, work: &[u32], now: Instant) -> (Vec<u32>, Option<Instant>) {
+        let mut ready = Vec::new();
+        let mut later: Option<Instant> = None;
+        for &db in work {
+            match self.0.get(&db) {
+                Some(&(at, _)) if at > now => later = Some(later.map_or(at, |l| l.min(at))),
+                _ => ready.push(db),
+            }
+        }
+        (ready, later)
+    }
+
+    fn after_round(&mut self, ran: &[u32], failed: &[u32], now: Instant) {
+        for db in ran {
+            if failed.contains(db) {
+                let next = self
+                    .0
+                    .get(db)
+                    .map_or(MIN_BACKOFF, |&(_, b)| (b * 2).min(MAX_BACKOFF));
+                self.0.insert(*db, (now + next, next));
+            } else {
+                self.0.remove(db);
+            }
+        }
+    }
+}
 
 /// Databases to load, or with a horizon, floor or journal due.
 fn durable_work() -> Vec<u32> {
@@ -152,8 +172,9 @@ fn durable_work() -> Vec<u32> {
 }
 
 /// One flusher per database with work, one after another: the durable lease state of `durable`
-/// databases, and with `counters` the pending counts of every database that has some.
-fn flush_round(counters: bool, durable: Vec<u32>) {
+/// databases, and with `counters` the pending counts of every database that has some. Returns
+/// the databases whose flusher did not commit.
+fn flush_round(counters: bool, durable: Vec<u32>) -> Vec<u32> {
     if counters {
         reclaim_dropped();
     }
@@ -166,9 +187,27 @@ fn flush_round(counters: bool, durable: Vec<u32>) {
             }
         }
     }
+    let mut served: Vec<u32> = Vec::new();
+    let mut failed: Vec<u32> = Vec::new();
     for (db, counters) in dbs {
-        run_flusher(db, counters);
+        if served.contains(&db) && !counters {
+            continue;
+        }
+        if !run_flusher(db, counters) {
+            failed.push(db);
+        }
+        // A lease (or a first call after a start) waits on a flusher: serve it before the
+        // next database's counters, however many there are.
+        if shmem::advance_requested() {
+            for waiting in shmem::databases_with_waiting_calls() {
+                if !run_flusher(waiting, false) {
+                    failed.push(waiting);
+                }
+                served.push(waiting);
+            }
+        }
     }
+    failed
 }
 
 /// Frees the caps of dropped databases (their pending counts have nowhere to go; see
@@ -188,7 +227,9 @@ fn reclaim_dropped() {
 /// The flusher's argument: the database's oid, and whether to flush its counters.
 const COUNTERS_BIT: u64 = 1 << 32;
 
-fn run_flusher(db: u32, counters: bool) {
+/// Runs a flusher for `db` and waits for it; whether its transaction committed.
+fn run_flusher(db: u32, counters: bool) -> bool {
+    let commits = shmem::flusher_commits(db);
     let started = BackgroundWorkerBuilder::new(&format!("stage_e_slots flusher for database {db}"))
         .set_type("stage_e_slots flusher")
         .set_library(LIBRARY)
@@ -208,6 +249,7 @@ fn run_flusher(db: u32, counters: bool) {
             "stage_e_slots: could not start a flusher for database {db}; counters stay pending",
         ),
     }
+    shmem::flusher_commits(db) != commits
 }
 
 #[pg_guard]
@@ -260,6 +302,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
     });
     // Committed: grants may now rely on it.
     durable::publish(written);
+    shmem::note_flusher_commit(db.to_u32());
 }
 
 /// The extension is no longer installed here: its table is gone with it, so the counts have

@@ -509,11 +509,11 @@ LEASE_FUNCTIONS = ("stage_e_lease(text, integer, interval, interval), "
                    "stage_e_release_lease(text, integer, bigint)")
 
 
-def test_a_lease_token_is_not_a_secret_so_lease_functions_are_limited_like_slots(
+def test_a_lease_belongs_to_its_role_and_lease_functions_can_be_limited_like_slots(
         cluster, db, connect):
-    """A token orders holders (fencing); it does not authenticate them: the holders view shows
-    it to everyone, and tokens are predictable. So by default any role that can connect may
-    free another's lease, and the README's recipe (EXECUTE for worker roles only) stops that."""
+    """0.4.0 let any role free another's lease with the token the holders view showed it. Now
+    the view hides another role's token and the lease refuses anyone but its role (42501); and
+    the README's recipe (EXECUTE for worker roles only) still keeps other roles from leasing."""
     for role in ("intruder2", "worker_2", "workers2"):
         cluster.sql(f"DROP ROLE IF EXISTS {role}")
     cluster.sql("CREATE ROLE workers2 NOLOGIN")
@@ -524,9 +524,11 @@ def test_a_lease_token_is_not_a_secret_so_lease_functions_are_limited_like_slots
         slot, token = w.execute("SELECT * FROM stage_e_lease('jobs', 2, '1 h')").fetchone()
         seen = c.execute("SELECT slot, token FROM stage_e_slot_holders WHERE cap = 'jobs'"
                          ).fetchall()
-        assert seen == [(slot, token)]
-        # Open by default: the intruder frees the worker's lease with the token it read.
-        assert one(c, "SELECT stage_e_release_lease('jobs', %s, %s)", (slot, token)) is True
+        assert seen == [(slot, None)]
+        # Even with the token, the intruder cannot free the worker's lease.
+        with pytest.raises(errors.InsufficientPrivilege):
+            c.execute("SELECT stage_e_release_lease('jobs', %s, %s)", (slot, token))
+        assert one(w, "SELECT stage_e_release_lease('jobs', %s, %s)", (slot, token)) is True
         admin.execute(f"REVOKE EXECUTE ON FUNCTION {LEASE_FUNCTIONS} FROM PUBLIC")
         admin.execute(f"GRANT EXECUTE ON FUNCTION {LEASE_FUNCTIONS} TO workers2")
         slot, token = w.execute("SELECT * FROM stage_e_lease('jobs', 2, '1 h')").fetchone()
@@ -535,7 +537,7 @@ def test_a_lease_token_is_not_a_secret_so_lease_functions_are_limited_like_slots
                            ("SELECT * FROM stage_e_lease('jobs', 2, '1 h')", ())]:
             with pytest.raises(errors.InsufficientPrivilege):
                 c.execute(call, args)
-        assert c.execute("SELECT slot, token FROM stage_e_slot_holders WHERE cap = 'jobs'"
+        assert w.execute("SELECT slot, token FROM stage_e_slot_holders WHERE cap = 'jobs'"
                          ).fetchall() == [(slot, token)]
         assert one(w, "SELECT stage_e_release_lease('jobs', %s, %s)", (slot, token)) is True
     admin.execute(f"GRANT EXECUTE ON FUNCTION {LEASE_FUNCTIONS} TO PUBLIC")
@@ -576,3 +578,101 @@ def test_a_full_lock_table_is_a_clear_error_without_a_backtrace_and_leaks_nothin
         assert "stack backtrace" not in c.log_text()
     finally:
         c.destroy()
+
+
+# -- leases belong to the role that took them (issue: one role freed or stole another's) -------
+
+@pytest.fixture
+def roles(cluster, db):
+    """Role alice takes leases; mallory is another CONNECT-only role; ops is a member of
+    pg_signal_backend; reader of pg_read_all_stats; team_member is a member of alice."""
+    made = ["alice", "mallory", "ops", "reader", "team_member"]
+    for r in made:
+        cluster.sql(f"DROP ROLE IF EXISTS {r}")
+        cluster.sql(f"CREATE ROLE {r} LOGIN")
+        cluster.sql(f'GRANT CONNECT ON DATABASE "{db}" TO {r}')
+    cluster.sql("GRANT pg_signal_backend TO ops")
+    cluster.sql("GRANT pg_read_all_stats TO reader")
+    cluster.sql("GRANT alice TO team_member")
+    yield {r: (lambda r=r: cluster.connect(db, r, user=r)) for r in made}
+    cluster.sql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+    for r in made:
+        cluster.sql(f"DROP ROLE IF EXISTS {r}")
+
+
+def lease_of(conn, cap, n, ttl):
+    return conn.execute("SELECT slot, token FROM stage_e_lease(%s, %s, %s)",
+                        (cap, n, ttl)).fetchone()
+
+
+def test_another_role_can_neither_release_nor_renew_a_lease_nor_read_its_token(roles, connect):
+    observer = connect("observer")  # the superuser
+    with roles["alice"]() as alice, roles["mallory"]() as mallory:
+        slot, token = lease_of(alice, "one", 1, "1 h")
+        before = observer.execute("SELECT * FROM stage_e_stats() WHERE cap = 'one'").fetchone()
+        # The token is not shown to another role: not in the view, not in the snapshot.
+        assert mallory.execute("SELECT slot, token FROM stage_e_slot_holders WHERE cap = 'one'"
+                               ).fetchall() == [(0, None)]
+        snap = mallory.execute("SELECT stage_e_snapshot()").fetchone()[0]
+        assert [h["token"] for h in snap["holders"] if h["cap"] == "one"] == [None]
+        assert alice.execute("SELECT token FROM stage_e_slot_holders WHERE cap = 'one'"
+                             ).fetchone()[0] == token
+        # Knowing (or guessing) it does not help: release, a renewal to 1 ms, one to 100,000
+        # years, and a guess are refused with 42501 and change nothing, not even a count.
+        for call, args in [("SELECT stage_e_release_lease('one', %s, %s)", (slot, token)),
+                           ("SELECT stage_e_renew('one', %s, %s, '1 ms')", (slot, token)),
+                           ("SELECT stage_e_renew('one', %s, %s, '23 hours')",
+                            (slot, token)),
+                           ("SELECT stage_e_release_lease('one', %s, %s)", (slot, token + 1))]:
+            with pytest.raises(errors.InsufficientPrivilege) as err:
+                mallory.execute(call, args)
+            assert "belongs to role \"alice\"" in err.value.diag.message_detail
+            assert str(token) not in str(err.value.diag.message_detail)
+        assert observer.execute("SELECT slot, token, expires_at > now() + '59 min'::interval "
+                                "FROM stage_e_slot_holders WHERE cap = 'one'").fetchall() == [
+            (0, token, True)]
+        assert observer.execute("SELECT * FROM stage_e_stats() WHERE cap = 'one'"
+                                ).fetchone() == before
+        # A new lease by mallory on the full cap is throttled, as ever.
+        assert lease_of(mallory, "one", 1, "1 s") == (None, None)
+        assert alice.execute("SELECT stage_e_release_lease('one', %s, %s)", (slot, token)
+                             ).fetchone()[0] is True
+
+
+def test_a_wrong_token_warning_never_shows_the_current_token(roles):
+    with roles["alice"]() as alice:
+        slot, token = lease_of(alice, "w", 1, "1 h")
+        seen = []
+        alice.add_notice_handler(lambda d: seen.append((d.message_primary, d.message_detail)))
+        assert alice.execute("SELECT stage_e_renew('w', %s, %s, '1 s')", (slot, token - 1)
+                             ).fetchone()[0] is False
+        assert len(seen) == 1 and str(token) not in " ".join(map(str, seen[0]))
+        assert "another token" in seen[0][1]
+        assert alice.execute("SELECT stage_e_release_lease('w', %s, %s)", (slot, token)
+                             ).fetchone()[0] is True
+
+
+def test_members_operators_and_readers_get_what_postgresql_gives_them(roles, connect):
+    """As pg_terminate_backend and pg_stat_activity decide: a member of the owner may act for
+    it, pg_signal_backend may end another role's lease, pg_read_all_stats may see tokens."""
+    with roles["alice"]() as alice, roles["team_member"]() as member, \
+            roles["ops"]() as ops, roles["reader"]() as reader:
+        slot, token = lease_of(alice, "m", 3, "1 h")
+        assert member.execute("SELECT stage_e_renew('m', %s, %s, '2 h')", (slot, token)
+                              ).fetchone()[0] is True
+        assert reader.execute("SELECT token FROM stage_e_slot_holders WHERE cap = 'm'"
+                              ).fetchone()[0] == token
+        with pytest.raises(errors.InsufficientPrivilege):
+            reader.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token))
+        assert ops.execute("SELECT token FROM stage_e_slot_holders WHERE cap = 'm'"
+                           ).fetchone()[0] is None
+        assert ops.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token)
+                           ).fetchone()[0] is True
+    # A superuser's lease is beyond pg_signal_backend, as a superuser's backend is.
+    su = connect("su")
+    slot, token = lease_of(su, "m", 3, "1 h")
+    with roles["ops"]() as ops:
+        with pytest.raises(errors.InsufficientPrivilege):
+            ops.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token))
+    assert su.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token)
+                      ).fetchone()[0] is True

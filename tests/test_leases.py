@@ -422,13 +422,15 @@ def test_renew_or_release_with_a_wrong_token_warns_and_changes_nothing(connect):
     [n] = notices.take()
     assert n["severity"] == "WARNING"
     assert n["message"] == 'stage_e_renew: the token is not the current lease of slot 0 of cap "w"'
-    assert f"leased under token {token}; it keeps the slot" in n["detail"]
+    # Never the current token: it is the holder's key to its slot.
+    assert "leased under another token; its holder keeps it" in n["detail"]
+    assert str(token) not in n["detail"]
     assert n["hint"]
 
     assert release_lease(stranger, "w", slot, token - 1) is False
     [n] = notices.take()
     assert n["message"].startswith("stage_e_release_lease: the token is not the current lease")
-    assert f"leased under token {token}" in n["detail"]
+    assert "leased under another token" in n["detail"] and str(token) not in n["detail"]
 
     # The right token on the wrong slot (a session slot): not a lease, the session keeps it.
     assert release_lease(stranger, "w", 1, token) is False
@@ -467,7 +469,7 @@ def test_a_stale_token_never_frees_the_next_holders_slot(connect):
     assert [n["severity"] for n in warned] == ["WARNING", "WARNING"]
     for n in warned:
         assert "the token is not the current lease of slot 0" in n["message"]
-        assert f"leased under token {new}; it keeps the slot" in n["detail"]
+        assert "leased under another token" in n["detail"] and str(new) not in n["detail"]
     s = stats(third, "sq")
     assert (s["foreign_releases"], s["released"], s["held"]) == (1, 0, 1)
     assert lease_rows(third, "sq")[0][2] == new
@@ -777,6 +779,13 @@ BAD = [  # (call, SQLSTATE, words of the message); {tok} is the live lease's tok
     ("SELECT stage_e_lease('b', 2, '-1 s')", "22023", "ttl must be positive"),
     ("SELECT stage_e_lease('b', 2, '1 mon -30 days')", "22023", "ttl must be positive"),
     ("SELECT stage_e_lease('b', 2, '1 s', '-1 ms')", "22023", "wait must not be negative"),
+    # stage_e_slots.max_lease_ttl (1 day) bounds every ttl, so no expiry can overflow.
+    ("SELECT stage_e_lease('b', 2, '1 day 1 s')", "22023",
+     "ttl 86401 s is longer than stage_e_slots.max_lease_ttl (86400 s)"),
+    ("SELECT stage_e_lease('b', 2, '100 years')", "22023", "longer than stage_e_slots.max_lease_ttl"),
+    ("SELECT stage_e_lease('b', 2, '178000000 years')", "22023",
+     "longer than stage_e_slots.max_lease_ttl"),
+    ("SELECT stage_e_lease('b', 2, 'infinity')", "22023", "longer than stage_e_slots.max_lease_ttl"),
     ("SELECT stage_e_lease('b', 0, '1 s')", "22023", "out of range"),
     ("SELECT stage_e_lease('b', 1025, '1 s')", "22023", "out of range"),
     ("SELECT stage_e_lease('', 2, '1 s')", "22023", "must not be empty"),
@@ -786,6 +795,8 @@ BAD = [  # (call, SQLSTATE, words of the message); {tok} is the live lease's tok
     ("SELECT stage_e_renew('b', 0, {tok}, NULL)", "22004", "ttl must not be NULL"),
     ("SELECT stage_e_renew('b', 0, {tok}, '0')", "22023", "ttl must be positive"),
     ("SELECT stage_e_renew('b', 0, {tok}, '-5 s')", "22023", "ttl must be positive"),
+    ("SELECT stage_e_renew('b', 0, {tok}, '100000 years')", "22023",
+     "longer than stage_e_slots.max_lease_ttl"),
     ("SELECT stage_e_renew('b', -1, {tok}, '1 h')", "22023", "out of range"),
     ("SELECT stage_e_release_lease(NULL, 0, {tok})", "22004", "cap must not be NULL"),
     ("SELECT stage_e_release_lease('b', NULL, {tok})", "22004", "slot must not be NULL"),
@@ -810,6 +821,54 @@ def test_bad_input_is_class_22_and_changes_nothing(connect, call, sqlstate, word
     assert lease_rows(observer, "b") == before_rows
     assert stats(observer, "b") == before
     assert release_lease(observer, "b", 0, token) is True
+
+
+def test_max_lease_ttl_is_a_superuser_setting_that_bounds_every_ttl(connect, cluster, db):
+    c = connect()
+    assert c.execute("SELECT setting, unit, boot_val, context FROM pg_settings "
+                     "WHERE name = 'stage_e_slots.max_lease_ttl'").fetchone() == (
+        "86400", "s", "86400", "superuser")
+    cluster.sql("CREATE ROLE ttl_user LOGIN")
+    try:
+        cluster.sql(f'GRANT CONNECT ON DATABASE "{db}" TO ttl_user')
+        with cluster.connect(db, user="ttl_user") as u:
+            with pytest.raises(errors.InsufficientPrivilege):
+                u.execute("SET stage_e_slots.max_lease_ttl = '10 days'")
+        c.execute("SET stage_e_slots.max_lease_ttl = '2 s'")
+        with pytest.raises(errors.InvalidParameterValue) as err:
+            lease(c, "bound", 1, "3 s")
+        assert "stage_e_slots.max_lease_ttl (2 s)" in err.value.diag.message_primary
+        slot, token = lease(c, "bound", 1, "2 s")
+        with pytest.raises(errors.InvalidParameterValue):
+            renew(c, "bound", slot, token, "1 min")
+        assert holders(c, "bound")[0]["expires_at"] - holders(c, "bound")[0]["acquired_at"] \
+            == timedelta(seconds=2)
+        assert release_lease(c, "bound", slot, token) is True
+    finally:
+        cluster.sql(f'REVOKE CONNECT ON DATABASE "{db}" FROM ttl_user')
+        cluster.sql("DROP ROLE ttl_user")
+
+
+def test_a_token_taken_on_one_cap_never_releases_another_caps_lease(connect):
+    """The attack: cap ta made just before cap tb, then pushed forward by as many acquisitions
+    as separate their first tokens, so that ta's next token is tb's live lease's token; with a
+    counter per cap (0.5.0) that token released tb's lease. One counter for every cap: the
+    value is never handed out twice, so the release is refused and tb keeps its lease."""
+    c = connect()
+    assert one(c, "SELECT stage_e_try_slot('ta', 1)") == 0
+    ta0 = slot_token(c, "ta", 0)
+    assert one(c, "SELECT stage_e_release('ta', 0)") is True
+    _, tb = lease(c, "tb", 1, "30 s")
+    gap = tb - ta0
+    assert 0 < gap <= 5_000_000, gap  # made a few milliseconds apart at most
+    c.execute("DO $$ BEGIN FOR i IN 1..%s LOOP PERFORM stage_e_try_slot('ta', 1); "
+              "PERFORM stage_e_release('ta', 0); END LOOP; END $$" % (gap - 1))
+    slot, forged = lease(c, "ta", 1, "30 s")
+    assert forged != tb
+    assert release_lease(c, "tb", 0, forged) is False
+    assert [(h["slot"], h["token"]) for h in holders(c, "tb")] == [(0, tb)]
+    assert release_lease(c, "ta", slot, forged) is True
+    assert release_lease(c, "tb", 0, tb) is True
 
 
 def test_leases_are_refused_on_a_standby():

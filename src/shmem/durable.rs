@@ -70,6 +70,10 @@ pub(super) struct Durable {
 pub(super) struct DbRecord {
     oid: AtomicU32,
     state: AtomicU32,
+    /// Flusher transactions of this database that committed (the launcher tells a failed
+    /// flusher by this not moving).
+    commits: AtomicU32,
+    _pad: u32,
 }
 
 /// The header's lifecycle fields.
@@ -245,6 +249,7 @@ impl Cap {
                 slot: l.slot,
                 token: l.token,
                 expires_at: l.expires_at,
+                owner: l.owner,
             })
             .collect();
         Some(HorizonWrite {
@@ -396,6 +401,18 @@ pub fn mark_loaded(db: u32, has_table: bool, min_token: u64) {
     );
 }
 
+/// How many flusher transactions of database `db` have committed.
+pub fn flusher_commits(db: u32) -> u32 {
+    record(db, false).map_or(0, |r| r.commits.load(Ordering::Acquire))
+}
+
+/// The flusher of database `db` committed.
+pub fn note_flusher_commit(db: u32) {
+    if let Some(r) = record(db, true) {
+        r.commits.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
 /// Databases a backend asked to have loaded.
 pub fn databases_to_load() -> Vec<u32> {
     let Some(seg) = segment() else {
@@ -411,7 +428,8 @@ pub fn databases_to_load() -> Vec<u32> {
         .collect()
 }
 
-/// Databases with a cap whose horizon, floor or journal is due to be written at `now`.
+/// Databases with the durable table and a cap whose horizon, floor or journal is due to be
+/// written at `now` (a database not yet updated to 0.6.0 has nowhere to write them).
 pub fn databases_with_horizon_work(now: i64, journal_every_us: i64) -> Vec<u32> {
     let Some(seg) = segment() else {
         return Vec::new();
@@ -420,8 +438,29 @@ pub fn databases_with_horizon_work(now: i64, journal_every_us: i64) -> Vec<u32> 
         .live()
         .filter(|e| e.horizon_due(now, journal_every_us))
         .map(|e| e.database())
-        .filter(|&d| d != 0)
+        .filter(|&d| d != 0 && loaded(d) == Some(true))
         .collect();
+    dbs.sort_unstable();
+    dbs.dedup();
+    dbs
+}
+
+/// Databases where a call waits on a flusher: to be loaded, or with a lease grant waiting for
+/// an advance.
+pub fn databases_with_waiting_calls() -> Vec<u32> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut dbs = databases_to_load();
+    dbs.extend(
+        seg.live()
+            .filter(|e| {
+                let d = &e.durable;
+                d.horizon_wanted.load(Ordering::Acquire) > d.horizon.load(Ordering::Acquire)
+            })
+            .map(|e| e.database())
+            .filter(|&d| d != 0 && loaded(d) == Some(true)),
+    );
     dbs.sort_unstable();
     dbs.dedup();
     dbs

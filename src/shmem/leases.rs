@@ -56,7 +56,8 @@ pub(super) struct LeaseRecord {
     generation: AtomicU32,
     slot: AtomicU32,
     pid: AtomicI32,
-    _pad: u32,
+    /// The role that took the lease.
+    owner: AtomicU32,
     token: AtomicU64,
     acquired_at: AtomicI64,
     expires_at: AtomicI64,
@@ -68,8 +69,15 @@ pub struct LeaseInfo {
     pub slot: u32,
     pub token: u64,
     pub pid: i32,
+    pub owner: u32,
     pub acquired_at: i64,
     pub expires_at: i64,
+}
+
+/// Who takes a lease: the backend (0 for one restored from an earlier server) and its role.
+struct Taker {
+    pid: i32,
+    owner: u32,
 }
 
 /// What a lease operation found (the lease as it was), for its caller to count and report.
@@ -95,6 +103,7 @@ impl LeaseRecord {
             slot: self.slot.load(Ordering::Relaxed),
             token: self.token.load(Ordering::Relaxed),
             pid: self.pid.load(Ordering::Relaxed),
+            owner: self.owner.load(Ordering::Relaxed),
             acquired_at: self.acquired_at.load(Ordering::Relaxed),
             expires_at: self.expires_at.load(Ordering::Relaxed),
         }
@@ -139,25 +148,45 @@ impl Cap {
         self.lease_count() > 0 && self.entry().counters.lease_due.load(Ordering::Acquire) <= now
     }
 
-    /// Records a lease on `slot`, whose bit the caller has claimed; false when every lease
-    /// record is in use.
-    pub fn start_lease(&self, slot: u32, token: u64, now: i64, expires_at: i64) -> bool {
+    /// Records a lease of role `owner` on `slot`, whose bit the caller has claimed; false when
+    /// every lease record is in use.
+    pub fn start_lease(
+        &self,
+        slot: u32,
+        token: u64,
+        now: i64,
+        expires_at: i64,
+        owner: u32,
+    ) -> bool {
         // SAFETY: this process's pid, set at start.
         let pid = unsafe { pg_sys::MyProcPid };
-        self.record_lease(pid, slot, token, now, expires_at)
+        self.record_lease(Taker { pid, owner }, slot, token, now, expires_at)
     }
 
     /// Puts back a lease an earlier server granted (from the lease file, or the journal after a
     /// crash): its slot, token and expiry, taken by no live backend (pid 0). False if the slot
     /// is beyond the cap's block, already taken, or every lease record is in use.
-    pub fn restore_lease(&self, slot: u32, token: u64, acquired_at: i64, expires_at: i64) -> bool {
+    pub fn restore_lease(
+        &self,
+        slot: u32,
+        token: u64,
+        acquired_at: i64,
+        expires_at: i64,
+        owner: u32,
+    ) -> bool {
         if slot >= self.capacity() {
             return false;
         }
         let Some(claim) = occupancy::claim_first_free(self.bits(), slot, slot + 1) else {
             return false;
         };
-        if !self.record_lease(0, slot, token, acquired_at, expires_at) {
+        if !self.record_lease(
+            Taker { pid: 0, owner },
+            slot,
+            token,
+            acquired_at,
+            expires_at,
+        ) {
             return false; // dropping the claim clears the bit
         }
         claim.keep();
@@ -165,10 +194,10 @@ impl Cap {
         true
     }
 
-    fn record_lease(&self, pid: i32, slot: u32, token: u64, now: i64, expires_at: i64) -> bool {
+    fn record_lease(&self, by: Taker, slot: u32, token: u64, now: i64, expires_at: i64) -> bool {
         let Some(seg) = segment() else { return false };
         let len = seg.leases.len();
-        let from = pid.unsigned_abs() as usize % len.max(1);
+        let from = by.pid.unsigned_abs() as usize % len.max(1);
         let Some(i) = (from..len)
             .chain(0..from)
             .find(|&i| seg.leases[i].state.claim())
@@ -180,7 +209,8 @@ impl Cap {
         r.entry.store(self.at.entry, Ordering::Relaxed);
         r.generation.store(self.at.generation, Ordering::Relaxed);
         r.slot.store(slot, Ordering::Relaxed);
-        r.pid.store(pid, Ordering::Relaxed);
+        r.pid.store(by.pid, Ordering::Relaxed);
+        r.owner.store(by.owner, Ordering::Relaxed);
         r.token.store(token, Ordering::Relaxed);
         r.acquired_at.store(now, Ordering::Relaxed);
         r.expires_at.store(expires_at, Ordering::Relaxed);

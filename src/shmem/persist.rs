@@ -97,8 +97,9 @@ pub(super) fn restore_leases(seg: &Segment) -> StartKind {
     seg.header.tokens.raise(file.last_token);
     let mut lost = 0;
     for l in &file.leases {
-        let restored = restore_at_start(seg, l.database, &l.cap, l.slot + 1)
-            .is_ok_and(|cap| cap.restore_lease(l.slot, l.token, l.acquired_at, l.expires_at));
+        let restored = restore_at_start(seg, l.database, &l.cap, l.slot + 1).is_ok_and(|cap| {
+            cap.restore_lease(l.slot, l.token, l.acquired_at, l.expires_at, l.owner)
+        });
         if !restored {
             lost += 1;
         }
@@ -146,9 +147,7 @@ fn shut_down_cleanly() -> bool {
     // get_controlfile reads pg_control into palloc'd memory, read at once.
     unsafe {
         let cf = pg_sys::get_controlfile(pg_sys::DataDir, &mut crc_ok);
-        crc_ok
-            && !cf.is_null()
-            && matches!((*cf).state, DB_SHUTDOWNED | DB_SHUTDOWNED_IN_RECOVERY)
+        crc_ok && !cf.is_null() && matches!((*cf).state, DB_SHUTDOWNED | DB_SHUTDOWNED_IN_RECOVERY)
     }
 }
 
@@ -198,6 +197,7 @@ fn save_leases(seg: &Segment) {
                 token: l.token,
                 acquired_at: l.acquired_at,
                 expires_at: l.expires_at,
+                owner: l.owner,
             }));
     }
     if write_file(LEASE_FILE, &file.encode(major())) && !file.leases.is_empty() {

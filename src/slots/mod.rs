@@ -46,7 +46,10 @@ pub enum SlotError {
     /// A lease's ttl must be positive.
     BadTtl,
     /// A lease's ttl must be at most `stage_e_slots.max_lease_ttl` (`max_us`).
-    TtlTooLong { ttl_us: i64, max_us: i64 },
+    TtlTooLong {
+        ttl_us: i64,
+        max_us: i64,
+    },
     /// Every lease record is in use.
     NoLeaseRecord {
         max_leases: u32,
@@ -65,6 +68,13 @@ pub enum SlotError {
     /// The lease horizon (or token floor) of `cap` was not made durable in time.
     NoDurableRoom {
         cap: String,
+    },
+    /// The current role may not renew or release the lease of `slot` of `cap`, which role
+    /// `owner` took.
+    NotLeaseOwner {
+        cap: String,
+        slot: u32,
+        owner: u32,
     },
     /// A lease to `expires_at` with `token` needs an advance of the horizon first (internal:
     /// `lease` waits for it and tries again).
@@ -471,7 +481,7 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
                         // Dropping `claim` on an error clears the bit.
                         let _granting = cap.begin_grant();
                         durable::check_room(cap, expires_at, token)?;
-                        if !cap.start_lease(slot, token, now, expires_at) {
+                        if !cap.start_lease(slot, token, now, expires_at, session::user_id()) {
                             return Err(SlotError::NoLeaseRecord {
                                 max_leases: gucs::max_leases(),
                             }); // dropping `claim` clears the bit
@@ -523,7 +533,9 @@ fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
     let held = (now - lease.acquired_at).max(0);
     cap.counters().bump(Counter::Expired, 1);
     cap.counters().bump(Counter::HoldTime, held as u64);
-    pgrx::log!(
+    // The token is a key to the slot: the server log only, never the client of this backend
+    // (which may be another role's, with client_min_messages = log).
+    crate::errors::log_server_only(format!(
         "stage_e_slots: lease of slot {} of cap \"{}\" (token {}, taken by pid {}) expired; \
          freed after {:.3} s held, {:.3} s past its expiry",
         lease.slot,
@@ -532,7 +544,7 @@ fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
         lease.pid,
         held as f64 / 1e6,
         (now - lease.expires_at).max(0) as f64 / 1e6
-    );
+    ));
 }
 
 /// Frees the expired leases of every database (the background worker's round, and a lease
@@ -579,6 +591,17 @@ pub fn settle_lease(
     let Some(cap) = existing(name) else {
         return Ok(LeaseOutcome::NotCurrent { current: None });
     };
+    // A lease belongs to the role that took it: anyone else is refused before anything is
+    // looked at further or counted (the token need not even match).
+    if let Some(l) = cap.lease_of(slot) {
+        if !session::may_act_for(l.owner) {
+            return Err(SlotError::NotLeaseOwner {
+                cap: name.to_string(),
+                slot,
+                owner: l.owner,
+            });
+        }
+    }
     let mut now = session::now();
     let mut extend_to = ttl_us.map(|t| now.saturating_add(t));
     if let (Some(t), Some(ttl)) = (extend_to, ttl_us) {
@@ -792,7 +815,8 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
             slot: l.slot,
             pid: l.pid,
             acquired_at: Some(l.acquired_at),
-            token: Some(l.token),
+            // Another role's token is a key to its slot: shown only to who may see it.
+            token: session::may_see_token_of(l.owner).then_some(l.token),
             expires_at: Some(l.expires_at),
         }));
     }

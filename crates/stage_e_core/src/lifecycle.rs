@@ -243,17 +243,19 @@ pub struct JournalLease {
     pub slot: u32,
     pub token: u64,
     pub expires_at: i64,
+    /// The role that took it (the only one, with its members, that may renew or release it).
+    pub owner: u32,
 }
 
 /// The journal of a cap's live leases, as the jsonb text its row stores:
-/// `[[slot, token, expires_at_us], …]`.
+/// `[[slot, token, expires_at_us, owner], …]`.
 pub fn encode_journal(leases: &[JournalLease]) -> String {
     let mut out = String::from("[");
     for (i, l) in leases.iter().enumerate() {
         if i > 0 {
             out.push(',');
         }
-        let _ = write!(out, "[{},{},{}]", l.slot, l.token, l.expires_at);
+        let _ = write!(out, "[{},{},{},{}]", l.slot, l.token, l.expires_at, l.owner);
     }
     out.push(']');
     out
@@ -268,6 +270,7 @@ pub struct SavedLease {
     pub token: u64,
     pub acquired_at: i64,
     pub expires_at: i64,
+    pub owner: u32,
 }
 
 /// The lease file of a clean shutdown: the server's last token and every live lease.
@@ -344,13 +347,14 @@ impl LeaseFile {
         for l in &self.leases {
             let _ = writeln!(
                 out,
-                "lease {} {} {} {} {} {}",
+                "lease {} {} {} {} {} {} {}",
                 l.database,
                 hex(&l.cap),
                 l.slot,
                 l.token,
                 l.acquired_at,
-                l.expires_at
+                l.expires_at,
+                l.owner
             );
         }
         out.push_str("end\n");
@@ -386,7 +390,7 @@ impl LeaseFile {
             let w: Vec<&str> = line.split(' ').collect();
             let parsed = match w.as_slice() {
                 ["end"] => return Ok(file),
-                ["lease", db, name, slot, token, acquired, expires] => (|| {
+                ["lease", db, name, slot, token, acquired, expires, owner] => (|| {
                     file.leases.push(SavedLease {
                         database: db.parse().ok()?,
                         cap: unhex(name)?,
@@ -394,6 +398,7 @@ impl LeaseFile {
                         token: token.parse().ok()?,
                         acquired_at: acquired.parse().ok()?,
                         expires_at: expires.parse().ok()?,
+                        owner: owner.parse().ok()?,
                     });
                     Some(())
                 })(),
@@ -623,16 +628,18 @@ mod unit {
                 slot: 0,
                 token: 1 << 62,
                 expires_at: 851_000_000_000_000,
+                owner: 10,
             },
             JournalLease {
                 slot: 7,
                 token: 3,
                 expires_at: -1,
+                owner: 16_384,
             },
         ]);
         assert_eq!(
             j,
-            "[[0,4611686018427387904,851000000000000],[7,3,-1]]".to_string()
+            "[[0,4611686018427387904,851000000000000,10],[7,3,-1,16384]]".to_string()
         );
         assert_eq!(encode_journal(&[]), "[]");
     }
@@ -647,6 +654,7 @@ mod unit {
                 token: 9,
                 acquired_at: -5,
                 expires_at: 851_000_000_000_000,
+                owner: 10,
             }],
         }
     }
