@@ -180,6 +180,11 @@ fn flush_round(counters: bool, durable: Vec<u32>) -> Vec<u32> {
     }
     let mut dbs: Vec<(u32, bool)> = durable.into_iter().map(|d| (d, false)).collect();
     if counters {
+        for db in shmem::databases_to_recheck() {
+            if !dbs.iter().any(|(d, _)| *d == db) {
+                dbs.push((db, false));
+            }
+        }
         for db in shmem::databases_with_pending() {
             match dbs.iter_mut().find(|(d, _)| *d == db) {
                 Some(entry) => entry.1 = true,

@@ -44,6 +44,8 @@ pub enum CapError {
 
 /// How long a create waits for a flush round to make idle caps reclaimable.
 const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(1_000);
+/// How long a create retries a cap on its key that is idle but busy for a moment.
+const COLLISION_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The lock key of cap `name`: `stage_e_slots.lock_key` for `default`, else the name's hash.
 pub fn cap_key(name: &str) -> i32 {
@@ -342,6 +344,12 @@ pub fn create(
                 if started.elapsed() < ROOM_WAIT =>
             {
                 super::segment::nap(2_000);
+                pgrx::check_for_interrupts!();
+            }
+            // The cap on the same key may be idle but pinned for a moment (a flusher looking at
+            // it): look again briefly before refusing.
+            Err(CapError::KeyCollision { .. }) if started.elapsed() < COLLISION_WAIT => {
+                super::segment::nap(1_000);
                 pgrx::check_for_interrupts!();
             }
             other => return other,

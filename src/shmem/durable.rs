@@ -445,6 +445,22 @@ pub fn databases_with_horizon_work(now: i64, journal_every_us: i64) -> Vec<u32> 
     dbs
 }
 
+/// Databases loaded without the durable table that have caps in use: once per counters round
+/// a flusher looks again, since `ALTER EXTENSION stage_e_slots UPDATE` may have made it.
+pub fn databases_to_recheck() -> Vec<u32> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut dbs: Vec<u32> = seg
+        .live()
+        .map(|e| e.database())
+        .filter(|&d| d != 0 && loaded(d) == Some(false))
+        .collect();
+    dbs.sort_unstable();
+    dbs.dedup();
+    dbs
+}
+
 /// Databases where a call waits on a flusher: to be loaded, or with a lease grant waiting for
 /// an advance.
 pub fn databases_with_waiting_calls() -> Vec<u32> {

@@ -37,7 +37,7 @@ pub use caps::{
 pub use caps::{pin_state, reclaim_now};
 pub use counters::Flushed;
 pub use durable::{
-    advance_requested, databases_to_load, databases_with_horizon_work,
+    advance_requested, databases_to_load, databases_to_recheck, databases_with_horizon_work,
     databases_with_waiting_calls, durable_watch, flusher_commits, loaded, mark_loaded,
     note_flusher_commit, note_recovered, recorded_databases, recovered_at, request_advance,
     request_load, start_kind, MAX_DATABASES,
