@@ -613,6 +613,39 @@ def test_a_corrupt_lease_file_is_ignored_and_the_start_treated_as_a_crash():
         assert written, f"no {LEASE_FILE} after the clean shutdown"
 
 
+def test_files_from_another_major_are_ignored_with_a_log_line_never_trusted():
+    """pg_stat/ files written by a server of another major version (or edited to look so):
+    the lease file's leases are not restored (the start is a crash: the cap is held back from
+    its durable horizon instead) and the pending counts are not applied, each with a LOG line."""
+    # Counts stay pending until the shutdown writes them to the file (no flush before).
+    with running("life_major", {"stage_e_slots.flush_interval": "'1h'"}) as c:
+        with c.connect(DB) as s:
+            out = take(s, "jobs", 2, leases=1, ttl="1 min")
+            assert try_slot(s, "sess", 1) == 0  # a pending count for the file
+            assert wait_journaled(s, "jobs", out.tokens, out.taken_at + JOURNAL_LAG)
+        c.stop("fast")
+        for name, old, new in [(LEASE_FILE, b"\nmajor ", b"\nmajor 1"),
+                               ("pg_stat/stage_e_slots.pending", b"stage_e_slots major ",
+                                b"stage_e_slots major 1")]:
+            path = c.data / name
+            text = path.read_bytes()
+            assert old in text, (name, text[:80])
+            path.write_bytes(text.replace(old, new, 1))  # major 15 -> 115, 18 -> 118
+        since = len(c.log_text())
+        c.start()
+        wait_accepting(c)
+        with c.connect(DB) as s:
+            assert_held_back(s, out, "crash")
+            log = c.log_text()[since:]
+            for name in (LEASE_FILE, "pg_stat/stage_e_slots.pending"):
+                assert re.search(rf"LOG:  stage_e_slots: ignoring {re.escape(name)}: it was "
+                                 r"written by PostgreSQL 1\d\d", log), (name, log[-2000:])
+            # The pending count of sess was not applied.
+            assert one(s, "SELECT coalesce(sum(acquired), 0) FROM stage_e_throttle_totals "
+                          "WHERE cap = 'sess'") == 0
+            assert_reclaims(s, out)
+
+
 # -- 7. bad settings ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,default", [("stage_e_slots.recovery_hold", "0"),
