@@ -125,7 +125,7 @@ fn log_hold(cap: &str, database: &str, until: i64, reason: &str, reclaimable: us
 /// retried) when there is no room for it.
 fn make_cap(db: u32, name: &str, n: u32) -> Result<Cap, String> {
     let n = n.clamp(1, gucs::max_slots());
-    let fail = |e| format!("cap \"{name}\" could not be held back: {e:?}");
+    let fail = |e| format!("cap \"{name}\" could not be held back: {e}");
     loop {
         let cap = shmem::create(db, name, n, session::database_exists)
             .map_err(fail)?

@@ -47,17 +47,41 @@ pub fn log_server_only(message: String) {
 
 /// Raises `e` as an ERROR.
 pub fn raise(e: SlotError) -> ! {
+    let d = describe(&e);
+    report(d.code, d.message, d.detail, d.hint)
+}
+
+/// An error in words: what an ERROR says, and what a LOG line quotes (its message) through
+/// the errors' `Display`.
+pub struct Described {
+    pub code: PgSqlErrorCode,
+    pub message: String,
+    pub detail: String,
+    pub hint: Option<String>,
+}
+
+fn said(code: PgSqlErrorCode, message: String, detail: String, hint: Option<String>) -> Described {
+    Described {
+        code,
+        message,
+        detail,
+        hint,
+    }
+}
+
+/// What `e` says.
+pub fn describe(e: &SlotError) -> Described {
     use PgSqlErrorCode::*;
     let max_slots = gucs::max_slots();
     match e {
-        SlotError::NotPreloaded => report(
+        SlotError::NotPreloaded => said(
             ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             "stage_e_slots must be loaded via shared_preload_libraries".into(),
             "Without its shared memory the cap cannot be enforced, so no slot is handed out."
                 .into(),
             Some(HINT_PRELOAD.into()),
         ),
-        SlotError::Standby => report(
+        SlotError::Standby => said(
             ERRCODE_READ_ONLY_SQL_TRANSACTION,
             "stage_e_slots cannot be used on a standby".into(),
             "Advisory locks on a standby do not coordinate with the primary, so a cap here would \
@@ -65,7 +89,7 @@ pub fn raise(e: SlotError) -> ! {
                 .into(),
             Some("Take and release slots on the primary.".into()),
         ),
-        SlotError::ParallelMode => report(
+        SlotError::ParallelMode => said(
             ERRCODE_INVALID_TRANSACTION_STATE,
             "stage_e_slots cannot be used during a parallel operation".into(),
             "A slot is a session lock: one taken in a parallel worker would end with the worker, \
@@ -77,10 +101,10 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
-        SlotError::NullArgument { name } => report(
+        SlotError::NullArgument { name } => said(
             ERRCODE_NULL_VALUE_NOT_ALLOWED,
             format!("{name} must not be NULL"),
-            match name {
+            match *name {
                 "n" => format!("n must be between 1 and stage_e_slots.max_slots ({max_slots})."),
                 "cap" => format!("A cap name is 1 to {MAX_NAME} bytes."),
                 "k" => "k is how many slots to take at once, between 1 and n.".into(),
@@ -89,14 +113,14 @@ pub fn raise(e: SlotError) -> ! {
                 "token" => "token is the one stage_e_lease returned with the slot.".into(),
                 _ => format!("Slots are numbered 0 to {}.", max_slots - 1),
             },
-            Some(match name {
+            Some(match *name {
                 "cap" => "Pass a cap name, such as 'exports' or 'tenant:42'.".into(),
                 "wait" => "Pass an interval such as '0', '500 ms' or '30 s'.".into(),
                 "ttl" => "Pass an interval such as '30 s' or '5 min'.".into(),
                 _ => "Pass an integer.".into(),
             }),
         ),
-        SlotError::CapOutOfRange { n, max_slots } => report(
+        SlotError::CapOutOfRange { n, max_slots } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             format!("cap n = {n} is out of range"),
             format!("n must be between 1 and stage_e_slots.max_slots ({max_slots})."),
@@ -105,19 +129,19 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
-        SlotError::CountOutOfRange { k, n } => report(
+        SlotError::CountOutOfRange { k, n } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             format!("k = {k} slots is out of range"),
             format!("k must be between 1 and n ({n})."),
             Some("Ask for at most n slots of a cap of n.".into()),
         ),
-        SlotError::NegativeWait => report(
+        SlotError::NegativeWait => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             "wait must not be negative".into(),
             "wait is how long to wait for a slot: '0' does not wait.".into(),
             Some("Pass an interval such as '0', '500 ms' or '30 s'.".into()),
         ),
-        SlotError::BadTtl => report(
+        SlotError::BadTtl => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             "ttl must be positive".into(),
             "ttl is how long a lease lasts unless renewed; its slot comes back when it passes."
@@ -128,12 +152,12 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
-        SlotError::TtlTooLong { ttl_us, max_us } => report(
+        SlotError::TtlTooLong { ttl_us, max_us } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             format!(
                 "ttl {} is longer than stage_e_slots.max_lease_ttl ({})",
-                seconds(ttl_us),
-                seconds(max_us)
+                seconds(*ttl_us),
+                seconds(*max_us)
             ),
             "A lease must be renewed at least once per stage_e_slots.max_lease_ttl, so that no \
              holder keeps a slot unseen for longer; nothing was taken or changed."
@@ -144,7 +168,7 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
-        SlotError::NoLeaseRecord { max_leases } => report(
+        SlotError::NoLeaseRecord { max_leases } => said(
             ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
             "stage_e_slots has no room for another lease".into(),
             format!(
@@ -157,7 +181,7 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
-        SlotError::NotLoaded => report(
+        SlotError::NotLoaded => said(
             ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             "stage_e_slots could not load this database's lease horizons".into(),
             "After a start or a promotion, the background launcher reads each database's \
@@ -170,7 +194,7 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
-        SlotError::TooManyDatabases => report(
+        SlotError::TooManyDatabases => said(
             ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
             "stage_e_slots has no room for another database".into(),
             format!(
@@ -179,7 +203,7 @@ pub fn raise(e: SlotError) -> ! {
             ),
             Some("Use the extension from fewer databases of this server.".into()),
         ),
-        SlotError::NoDurableRoom { cap } => report(
+        SlotError::NoDurableRoom { cap } => said(
             ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
             format!("the lease horizon of cap \"{cap}\" could not be made durable"),
             "A lease is granted only once a committed row covers its expiry, so that a crash or \
@@ -192,14 +216,14 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
-        SlotError::NotLeaseOwner { cap, slot, owner } => report(
+        SlotError::NotLeaseOwner { cap, slot, owner } => said(
             ERRCODE_INSUFFICIENT_PRIVILEGE,
             format!(
                 "permission denied to renew or release the lease of slot {slot} of cap \"{cap}\""
             ),
             format!(
                 "The lease belongs to role {}, which took it; nothing was changed.",
-                crate::session::role_name(owner)
+                crate::session::role_name(*owner)
             ),
             Some(
                 "Renew or release a lease as the role that took it, a member of that role, or \
@@ -207,19 +231,19 @@ pub fn raise(e: SlotError) -> ! {
                     .into(),
             ),
         ),
-        SlotError::NeedsRoom { .. } => report(
+        SlotError::NeedsRoom { .. } => said(
             ERRCODE_INTERNAL_ERROR,
             "stage_e_slots: a lease waited for its horizon outside its retry".into(),
             "This is a bug in stage_e_slots; no lease was granted.".into(),
             None,
         ),
-        SlotError::NoWaiterRecord => report(
+        SlotError::NoWaiterRecord => said(
             ERRCODE_INTERNAL_ERROR,
             "stage_e_slots has no room to record this waiter".into(),
             "There is a record for every backend; this is a bug in stage_e_slots.".into(),
             None,
         ),
-        SlotError::SlotOutOfRange { slot, max_slots } => report(
+        SlotError::SlotOutOfRange { slot, max_slots } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             format!("slot {slot} is out of range"),
             format!(
@@ -228,7 +252,7 @@ pub fn raise(e: SlotError) -> ! {
             ),
             Some("Pass a slot number returned by stage_e_try_slot.".into()),
         ),
-        SlotError::BadCapName(e) => report(
+        SlotError::BadCapName(e) => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             match e {
                 NameError::Empty => "cap name must not be empty".into(),
@@ -237,14 +261,15 @@ pub fn raise(e: SlotError) -> ! {
             format!("A cap name is 1 to {MAX_NAME} bytes."),
             Some("Use a shorter name; a hash of a long key works (md5(key) is 32 bytes).".into()),
         ),
-        SlotError::Cap(f) => raise_cap(&f.cap, f.error),
+        SlotError::Cap(f) => describe_cap(&f.cap, &f.error),
     }
 }
 
-fn raise_cap(cap: &str, e: CapError) -> ! {
+/// What a cap that could not be made or grown says.
+pub fn describe_cap(cap: &str, e: &CapError) -> Described {
     use PgSqlErrorCode::*;
     match e {
-        CapError::NoEntry { max_caps, held } => report(
+        CapError::NoEntry { max_caps, held } => said(
             ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
             format!("stage_e_slots has no room for cap \"{cap}\""),
             format!(
@@ -257,13 +282,13 @@ fn raise_cap(cap: &str, e: CapError) -> ! {
                     .into(),
             ),
         ),
-        CapError::NoMemory { slots } => report(
+        CapError::NoMemory { slots } => said(
             ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
             format!("stage_e_slots has no room for {slots} slots of cap \"{cap}\""),
             "The slot memory (stage_e_slots.slot_memory) is taken by caps in use.".into(),
             Some("Raise stage_e_slots.slot_memory in postgresql.conf and restart.".into()),
         ),
-        CapError::KeyCollision { other, key } => report(
+        CapError::KeyCollision { other, key } => said(
             ERRCODE_DUPLICATE_OBJECT,
             format!("cap \"{cap}\" has the same lock key ({key}) as cap \"{other}\""),
             format!(
@@ -275,7 +300,7 @@ fn raise_cap(cap: &str, e: CapError) -> ! {
                  \"{other}\" is default, change stage_e_slots.lock_key."
             )),
         ),
-        CapError::Busy => report(
+        CapError::Busy => said(
             ERRCODE_OBJECT_IN_USE,
             format!("cap \"{cap}\" could not be resized: it stayed in use"),
             "Using a cap with a larger n than before moves its slots to a larger block, which \
@@ -384,4 +409,47 @@ pub fn warn_expired(what: &str, cap: &str, slot: i32, held_us: i64) {
          expiry was not guarded.",
     )
     .report(PgLogLevel::WARNING);
+}
+
+// -- in words, for LOG lines: never Rust's Debug text ------------------------------------------
+
+impl std::fmt::Display for SlotError {
+    /// The ERROR's message: `stage_e_slots has no room for cap "x"`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&describe(self).message)
+    }
+}
+
+impl std::fmt::Display for CapError {
+    /// Why, without the cap's name (the caller names it).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CapError::NoEntry { max_caps, held } => write!(
+                f,
+                "all {max_caps} caps (stage_e_slots.max_caps) are in use ({held} hold slots or \
+                 have counts not yet flushed)"
+            ),
+            CapError::NoMemory { slots } => write!(
+                f,
+                "the slot memory (stage_e_slots.slot_memory) has no room for {slots} more slots"
+            ),
+            CapError::KeyCollision { other, key } => write!(
+                f,
+                "it has the same lock key ({key}) as cap \"{other}\", which is in use"
+            ),
+            CapError::Busy => f.write_str("it stayed in use while it was being resized"),
+        }
+    }
+}
+
+impl std::fmt::Display for FlushError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FlushError::Slots(e) => write!(f, "{e}"),
+            FlushError::Spi(e) => write!(f, "the counter rows could not be written ({e})"),
+            FlushError::AgainInThisTransaction => {
+                f.write_str("the counters were already flushed in this transaction")
+            }
+        }
+    }
 }

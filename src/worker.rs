@@ -298,7 +298,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
                 Ok(Some(_)) => {}
                 Ok(None) => drop_orphaned(db),
                 Err(e) => error!(
-                    "stage_e_slots: flush of database {} failed: {e:?}",
+                    "stage_e_slots: flush of database {} failed: {e}",
                     db.to_u32()
                 ),
             }

@@ -419,3 +419,66 @@ def test_a_crash_loses_exactly_the_counts_since_the_last_flush():
         assert not re.search(r"saved pending counters", c.log_text())
     finally:
         c.destroy()
+
+
+def _expected_acquired(i):
+    return i % 3 + 1
+
+
+def test_counts_that_do_not_fit_a_smaller_max_caps_are_kept_until_they_fit():
+    """Issue 21: a pending file of 100 caps restored with max_caps = 16 dropped 84 caps' counts,
+    logged as Rust Debug text (`NoEntry { max_caps: 16, held: 16 }`). Now what does not fit is
+    written back to the pending file, with a LOG line in words; each start restores what fits
+    (a crash in between neither loses nor doubles what was kept), and a start with the larger
+    setting brings back the rest: every count reaches the table exactly."""
+    caps = 100
+    c = Cluster("shrink", {"stage_e_slots.flush_interval": "'1h'",
+                           "stage_e_slots.max_caps": 256}).init().start()
+    try:
+        c.create_database("app")
+        with c.connect("app") as s:
+            for i in range(caps):
+                for _ in range(_expected_acquired(i)):
+                    assert one(s, "SELECT stage_e_release(%s, stage_e_try_slot(%s, 1))",
+                               (f"c{i}", f"c{i}")) is True
+            assert one(s, "SELECT count(*) FROM stage_e_throttle_counter") == 0  # all pending
+        c.stop("fast")
+        assert f"saved pending counters of {caps} cap(s)" in c.log_text()
+
+        def start_and_flush(max_caps):
+            since = len(c.log_text())
+            c.settings["stage_e_slots.max_caps"] = max_caps
+            c.write_settings()
+            c.start()
+            with c.connect("app") as s:
+                s.execute("SELECT stage_e_flush()")
+                return s.execute("SELECT cap, acquired, released FROM stage_e_throttle_counter"
+                                 ).fetchall(), c.log_text()[since:]
+
+        rows, log = start_and_flush(16)
+        assert len(rows) == 16, rows
+        m = re.search(r"kept the saved counts of (\d+) cap\(s\) in pg_stat/stage_e_slots.pending "
+                      r"for a later start, because they did not fit in shared memory: all 16 "
+                      r"caps \(stage_e_slots.max_caps\) are in use", log)
+        assert m and int(m.group(1)) == caps - 16, log
+        assert "dropped the saved counts" not in log and "NoEntry" not in log
+        # A crash keeps what the file kept: the next start restores 16 more.
+        c.crash()
+        rows, log = start_and_flush(16)
+        assert len(rows) == 32, rows
+        assert "kept the saved counts of 68 cap(s)" in log, log
+        # A clean shutdown at the small setting merges the kept counts into the file it writes.
+        c.stop("fast")
+        rows, log = start_and_flush(256)
+        assert "kept the saved counts" not in log, log
+        assert sorted(rows) == sorted((f"c{i}", _expected_acquired(i), _expected_acquired(i))
+                                      for i in range(caps))
+        with c.connect("app") as s:
+            assert one(s, "SELECT sum(acquired) FROM stage_e_throttle_totals") == sum(
+                _expected_acquired(i) for i in range(caps))
+        # Every LOG line of ours is in words: no Rust Debug text (`Name { field: ... }`).
+        ours = [line for line in c.log_text().splitlines() if "stage_e_slots" in line]
+        debug = [line for line in ours if re.search(r"\b[A-Z]\w* \{ \w+: |\w+Error\b", line)]
+        assert not debug, debug
+    finally:
+        c.destroy()

@@ -28,37 +28,73 @@ fn major() -> u32 {
 }
 
 /// At start: the counts saved at the last clean shutdown become each cap's carried counts.
+///
+/// No count is lost when a setting shrank (a smaller `stage_e_slots.max_caps` or
+/// `slot_memory` than the counts were saved under): what does not fit is written straight
+/// back to the pending file, with a LOG line saying so, and stays there (the postmaster alone
+/// touches the file, at start and at exit) until a start with room for it. The next clean
+/// shutdown merges it with the live caps' counts ([`save_pending`]). Keeping it in the file,
+/// rather than handing it to a flusher, keeps the one rule of the file: a count is either in
+/// shared memory or in the file, never both, so a crash (which discards shared memory and
+/// reads the file again) neither loses nor doubles what was kept.
 pub(super) fn restore_pending(seg: &Segment) {
-    let Ok(text) = std::fs::read_to_string(PENDING_FILE) else {
+    let Some(entries) = read_pending(true) else {
         return;
     };
-    // Read once: after a crash the file must not be applied a second time.
-    let _ = std::fs::remove_file(PENDING_FILE);
-    let body = match lifecycle::unstamp(&text, major()) {
-        Ok(body) => body,
-        Err(e) => {
-            pgrx::log!("stage_e_slots: ignoring {PENDING_FILE}: {e}; its counts are lost");
-            return;
-        }
-    };
-    let Some(entries) = counters::decode(body) else {
-        pgrx::log!(
-            "stage_e_slots: ignoring {PENDING_FILE}: it is not in the expected format; its \
-             counts are lost"
-        );
-        return;
-    };
+    let mut kept = Vec::new();
+    let mut why = None;
     for c in entries {
         // A database dropped since is reclaimed by the launcher's first round.
         match create_at_start(seg, c.database, &c.cap) {
             Ok(entry) => entry.carry(c.values),
-            Err(e) => pgrx::log!(
-                "stage_e_slots: dropped the saved counts of cap \"{}\" of database {}: {e:?}",
-                c.cap,
-                c.database
-            ),
+            Err(e) => {
+                why.get_or_insert(e);
+                kept.push(c);
+            }
         }
     }
+    let Some(why) = why else { return };
+    let text = lifecycle::stamp(major(), &counters::encode(&kept));
+    if write_file(PENDING_FILE, &text) {
+        pgrx::log!(
+            "stage_e_slots: kept the saved counts of {} cap(s) in {PENDING_FILE} for a later \
+             start, because they did not fit in shared memory: {why}; they are restored at a \
+             start with room for them (raise stage_e_slots.max_caps or slot_memory back), and \
+             until then each clean shutdown keeps them in the file",
+            kept.len()
+        );
+    } else {
+        pgrx::log!(
+            "stage_e_slots: lost the saved counts of {} cap(s), because they did not fit in \
+             shared memory ({why}) and {PENDING_FILE} could not be written back",
+            kept.len()
+        );
+    }
+}
+
+/// The pending file's entries, or None without a usable file. At start it is removed once
+/// read (`remove`: after a crash it must not be applied a second time; what is kept for later
+/// is written back); at shutdown it is replaced whole by the merged file instead.
+fn read_pending(remove: bool) -> Option<Vec<Carried>> {
+    let text = std::fs::read_to_string(PENDING_FILE).ok()?;
+    if remove {
+        let _ = std::fs::remove_file(PENDING_FILE);
+    }
+    let body = match lifecycle::unstamp(&text, major()) {
+        Ok(body) => body,
+        Err(e) => {
+            pgrx::log!("stage_e_slots: ignoring {PENDING_FILE}: {e}; its counts are lost");
+            return None;
+        }
+    };
+    let entries = counters::decode(body);
+    if entries.is_none() {
+        pgrx::log!(
+            "stage_e_slots: ignoring {PENDING_FILE}: it is not in the expected format; its \
+             counts are lost"
+        );
+    }
+    entries
 }
 
 /// At start: how this segment begins. After a clean shutdown of a primary, its leases and
@@ -152,7 +188,9 @@ fn shut_down_cleanly() -> bool {
 }
 
 fn save_pending(seg: &Segment) {
-    let pending: Vec<Carried> = seg
+    // What a start kept for later (not in shared memory, so not counted twice).
+    let kept = read_pending(false).unwrap_or_default();
+    let live: Vec<Carried> = seg
         .live()
         .map(|e| Carried {
             database: e.database(),
@@ -161,6 +199,7 @@ fn save_pending(seg: &Segment) {
         })
         .filter(|c| !c.values.is_zero())
         .collect();
+    let pending = counters::merge(live, kept);
     if pending.is_empty() {
         return;
     }

@@ -186,8 +186,11 @@ unsafe extern "C-unwind" fn shmem_startup() {
     if unsafe { !pg_sys::IsUnderPostmaster } {
         // The postmaster (at start and after a crash reset): take back the counts and the
         // leases saved at the last clean shutdown, and save them again at the next one.
+        // Leases first: they bind, so a pending file too large for a smaller max_caps must
+        // not keep them out (what does not fit of the counts is kept for later instead).
+        let kind = persist::restore_leases(seg);
         persist::restore_pending(seg);
-        durable::set_start_kind(persist::restore_leases(seg));
+        durable::set_start_kind(kind);
         persist::save_at_shutdown();
     }
 }

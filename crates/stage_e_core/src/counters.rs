@@ -291,6 +291,27 @@ pub struct Carried {
     pub values: CounterValues,
 }
 
+/// `more` added into `into`: one entry per (database, cap), the counts of both summed, in the
+/// order first seen. The pending file written at a shutdown is the live caps' counts merged with
+/// those a smaller `max_caps` kept out of shared memory at the start before (still in the file).
+pub fn merge(mut into: Vec<Carried>, more: Vec<Carried>) -> Vec<Carried> {
+    let mut at: std::collections::HashMap<(u32, String), usize> = into
+        .iter()
+        .enumerate()
+        .map(|(i, c)| ((c.database, c.cap.clone()), i))
+        .collect();
+    for c in more {
+        match at.get(&(c.database, c.cap.clone())) {
+            Some(&i) => into[i].values = into[i].values.plus(c.values),
+            None => {
+                at.insert((c.database, c.cap.clone()), into.len());
+                into.push(c);
+            }
+        }
+    }
+    into
+}
+
 const FILE_HEADER_V1: &str = "stage_e_slots pending counters v1";
 const FILE_HEADER: &str = "stage_e_slots pending counters v2";
 
@@ -351,6 +372,28 @@ pub fn decode(text: &str) -> Option<Vec<Carried>> {
 #[cfg(test)]
 mod unit {
     use super::*;
+
+    #[test]
+    fn merging_pending_counts_sums_each_cap_once() {
+        let c = |database, cap: &str, first| {
+            let mut a = [0; COUNT];
+            a[0] = first;
+            Carried {
+                database,
+                cap: cap.into(),
+                values: CounterValues::from_array(a),
+            }
+        };
+        let merged = merge(
+            vec![c(1, "a", 2), c(1, "b", 3)],
+            vec![c(1, "b", 4), c(2, "a", 5), c(1, "c", 6)],
+        );
+        assert_eq!(
+            merged,
+            vec![c(1, "a", 2), c(1, "b", 7), c(2, "a", 5), c(1, "c", 6)]
+        );
+        assert_eq!(merge(Vec::new(), vec![c(1, "a", 1)]), vec![c(1, "a", 1)]);
+    }
 
     #[test]
     fn the_counter_enum_follows_the_list() {
