@@ -169,6 +169,13 @@ pub struct Written {
     journal: u64,
 }
 
+impl Written {
+    /// The cap's name, if it is still in use.
+    pub fn name(&self) -> Option<String> {
+        shmem::pin(self.cap).map(|c| c.name())
+    }
+}
+
 /// Writes the rows of the caps of this database that need an advance, a floor or a fresh
 /// journal; one statement.
 pub fn advance(ext: &Extension) -> Result<Vec<Written>, pgrx::spi::Error> {

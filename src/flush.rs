@@ -207,3 +207,39 @@ pub fn discard_pending() -> usize {
     }
     dropped
 }
+
+/// At most this many counter rows are deleted per database and round by the retention rule.
+pub const RETENTION_BATCH: i64 = 10_000;
+
+/// The retention rule (`stage_e_slots.counter_retention`), in the flusher's transaction: deletes
+/// the counter rows of caps unused for longer than `retention` (flushed before, and not in use
+/// in shared memory now: no held slot, lease, waiter, hold, flush or pending count), at most
+/// [`RETENTION_BATCH`], and their lease horizon rows whose horizon has passed. `keep` are caps
+/// this transaction wrote a horizon for. Returns (counter rows, horizon rows) deleted.
+///
+/// A cap that comes into use while the statement runs may lose its old row (its history older
+/// than the retention): its new counts are flushed into a fresh row, none is lost.
+pub fn expire(
+    ext: &Extension,
+    retention: std::time::Duration,
+    keep: Vec<String>,
+) -> Result<(i64, i64), pgrx::spi::Error> {
+    if !ext.version.has_named_caps() {
+        return Ok((0, 0)); // 0.1.0's one row
+    }
+    let mut busy = shmem::busy_caps(session::database());
+    busy.extend(keep);
+    let query = sql::retention_query(ext);
+    let args: Vec<pgrx::datum::DatumWithOid> = vec![
+        sql::interval_us(retention.as_micros() as u64).into(),
+        busy.into(),
+        RETENTION_BATCH.into(),
+    ];
+    sql::write_returning(&query, &args, |rows| {
+        let row = rows.first();
+        Ok((
+            row.get::<i64>(1)?.unwrap_or(0),
+            row.get::<i64>(2)?.unwrap_or(0),
+        ))
+    })
+}

@@ -32,6 +32,7 @@ static LEASE_HORIZON_MARGIN_MS: GucSetting<i32> =
     GucSetting::<i32>::new(DEFAULT_LEASE_HORIZON_MARGIN_MS);
 static RECOVERY_HOLD_MS: GucSetting<i32> = GucSetting::<i32>::new(0);
 static MAX_LEASE_TTL_S: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_LEASE_TTL_S);
+static COUNTER_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(0);
 
 pub fn init() {
     GucRegistry::define_int_guc(
@@ -132,6 +133,18 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.counter_retention",
+        c"Delete the counter rows of caps unused for this long; 0 (the default) keeps them.",
+        c"The background flusher deletes, in each database, the rows of stage_e_throttle_counter \
+          flushed longer ago than this whose cap has no held slot, lease, waiter or pending \
+          count now (and their quiet lease horizon rows), at most 10000 per database and round.",
+        &COUNTER_RETENTION_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
 }
 
 /// A postmaster-context setting, read without `GucSetting::get`'s thread check (a thread-local
@@ -162,6 +175,14 @@ pub fn max_leases() -> u32 {
 
 pub fn slot_memory_bytes() -> usize {
     SLOT_MEMORY_KB.get() as usize * 1024
+}
+
+/// `stage_e_slots.counter_retention`, or None when it is off (0).
+pub fn counter_retention() -> Option<std::time::Duration> {
+    match COUNTER_RETENTION_S.get() {
+        s if s > 0 => Some(std::time::Duration::from_secs(s as u64)),
+        _ => None,
+    }
 }
 
 pub fn flush_interval() -> std::time::Duration {

@@ -197,6 +197,55 @@ pub fn horizon_write_query(ext: &Extension) -> String {
     )
 }
 
+/// The retention rule (`stage_e_slots.counter_retention`): deletes at most `$3` counter rows
+/// flushed before `now() - $1` (an interval) whose cap is not in `$2` (text[], the caps in use),
+/// and at most `$3` lease horizon rows of caps not in use, without a counter row (or losing it
+/// now), written before `now() - $1` and whose horizon has passed: never one whose horizon is
+/// ahead (it protects leases across a crash), nor the row with the database's highest token
+/// floor (tokens after a crash start above it). Returns the numbers of rows deleted.
+pub fn retention_query(ext: &Extension) -> String {
+    let schema = &ext.schema;
+    let old = "(pg_catalog.now() OPERATOR(pg_catalog.-) $1::pg_catalog.interval)";
+    let (horizon, horizons) = if ext.version.has_lease_horizon() {
+        (
+            format!(
+                ", quiet AS ( \
+                   DELETE FROM {schema}.stage_e_lease_horizon AS h \
+                    WHERE h.cap IN ( \
+                      SELECT q.cap FROM {schema}.stage_e_lease_horizon AS q \
+                       WHERE q.horizon OPERATOR(pg_catalog.<) pg_catalog.now() \
+                         AND q.written_at OPERATOR(pg_catalog.<) {old} \
+                         AND q.token_floor OPERATOR(pg_catalog.<) \
+                             (SELECT pg_catalog.max(m.token_floor) \
+                                FROM {schema}.stage_e_lease_horizon AS m) \
+                         AND NOT EXISTS (SELECT FROM busy WHERE busy.cap OPERATOR(pg_catalog.=) q.cap) \
+                         AND (EXISTS (SELECT FROM gone WHERE gone.cap OPERATOR(pg_catalog.=) q.cap) \
+                              OR NOT EXISTS (SELECT FROM {schema}.stage_e_throttle_counter AS k \
+                                              WHERE k.cap OPERATOR(pg_catalog.=) q.cap)) \
+                       LIMIT $3) \
+                   RETURNING h.cap)"
+            ),
+            "(SELECT pg_catalog.count(*) FROM quiet)",
+        )
+    } else {
+        (String::new(), "0::pg_catalog.int8")
+    };
+    format!(
+        "WITH busy AS (SELECT b.cap FROM pg_catalog.unnest($2::pg_catalog.text[]) AS b (cap)), \
+         old AS ( \
+           SELECT c.cap FROM {schema}.stage_e_throttle_counter AS c \
+            WHERE c.flushed_at OPERATOR(pg_catalog.<) {old} \
+              AND NOT EXISTS (SELECT FROM busy WHERE busy.cap OPERATOR(pg_catalog.=) c.cap) \
+            LIMIT $3), \
+         gone AS ( \
+           DELETE FROM {schema}.stage_e_throttle_counter AS t USING old \
+            WHERE t.cap OPERATOR(pg_catalog.=) old.cap \
+              AND t.flushed_at OPERATOR(pg_catalog.<) {old} \
+           RETURNING t.cap){horizon} \
+         SELECT (SELECT pg_catalog.count(*) FROM gone), {horizons}"
+    )
+}
+
 /// The counter columns the database's table has.
 fn counter_names(ext: &Extension) -> &'static [&'static str] {
     &CounterValues::NAMES[..ext.version.counter_columns()]

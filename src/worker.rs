@@ -32,6 +32,9 @@ const LIBRARY: &str = "stage_e_slots";
 const FLUSH_LOCK_TIMEOUT: &std::ffi::CStr = c"1s";
 /// How often the launcher samples the caps' load (held slots, throttles) at most.
 const LOAD_SAMPLE: Duration = Duration::from_secs(5);
+/// With `stage_e_slots.counter_retention` on, each database is swept (its old counter rows
+/// deleted) every retention, but at most every minute and at least every flush interval.
+const SWEEP_MAX: Duration = Duration::from_secs(60);
 
 /// Registers the launcher; called from `_PG_init` while preloading.
 pub fn register() {
@@ -56,6 +59,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     );
     let mut last_round = Instant::now();
     let mut last_sample: Option<Instant> = None;
+    let mut last_sweep: Option<Instant> = None;
     let mut first = true;
     let mut backoff = Backoff::default();
     shmem::launcher_wakeup(true);
@@ -113,7 +117,15 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         if counters {
             last_round = now;
         }
-        let failed = flush_round(counters, ready.clone());
+        let sweep = counters
+            && gucs::counter_retention().is_some_and(|r| {
+                let every = r.min(SWEEP_MAX).max(interval);
+                last_sweep.is_none_or(|t| now >= t + every)
+            });
+        if sweep {
+            last_sweep = Some(now);
+        }
+        let failed = flush_round(counters, sweep, ready.clone());
         backoff.after_round(&ready, &failed, Instant::now());
     }
     // Counts still pending now are saved by the postmaster at shutdown (see shmem).
@@ -172,13 +184,18 @@ fn durable_work() -> Vec<u32> {
 }
 
 /// One flusher per database with work, one after another: the durable lease state of `durable`
-/// databases, and with `counters` the pending counts of every database that has some. Returns
+/// databases, with `counters` the pending counts of every database that has some, and with
+/// `sweep` the retention rule in every database with caps or loaded since the start. Returns
 /// the databases whose flusher did not commit.
-fn flush_round(counters: bool, durable: Vec<u32>) -> Vec<u32> {
+fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>) -> Vec<u32> {
     if counters {
         reclaim_dropped();
     }
-    let mut dbs: Vec<(u32, bool)> = durable.into_iter().map(|d| (d, false)).collect();
+    let mut dbs: Vec<(u32, u64)> = durable.into_iter().map(|d| (d, 0)).collect();
+    let mut add = |db: u32, bit: u64| match dbs.iter_mut().find(|(d, _)| *d == db) {
+        Some(entry) => entry.1 |= bit,
+        None => dbs.push((db, bit)),
+    };
     if counters {
         for db in shmem::databases_to_recheck() {
             if !dbs.iter().any(|(d, _)| *d == db) {
@@ -186,26 +203,31 @@ fn flush_round(counters: bool, durable: Vec<u32>) -> Vec<u32> {
             }
         }
         for db in shmem::databases_with_pending() {
-            match dbs.iter_mut().find(|(d, _)| *d == db) {
-                Some(entry) => entry.1 = true,
-                None => dbs.push((db, true)),
-            }
+            add(db, COUNTERS_BIT);
+        }
+    }
+    if sweep {
+        // Dropped databases' records are gone (reclaim_dropped, just above).
+        let mut known = shmem::databases();
+        known.extend(shmem::recorded_databases());
+        for db in known.into_iter().filter(|&d| d != 0) {
+            add(db, SWEEP_BIT);
         }
     }
     let mut served: Vec<u32> = Vec::new();
     let mut failed: Vec<u32> = Vec::new();
-    for (db, counters) in dbs {
-        if served.contains(&db) && !counters {
+    for (db, work) in dbs {
+        if served.contains(&db) && work == 0 {
             continue;
         }
-        if !run_flusher(db, counters) {
+        if !run_flusher(db, work) {
             failed.push(db);
         }
         // A lease (or a first call after a start) waits on a flusher: serve it before the
         // next database's counters, however many there are.
         if shmem::advance_requested() {
             for waiting in shmem::databases_with_waiting_calls() {
-                if !run_flusher(waiting, false) {
+                if !run_flusher(waiting, 0) {
                     failed.push(waiting);
                 }
                 served.push(waiting);
@@ -229,20 +251,21 @@ fn reclaim_dropped() {
     }
 }
 
-/// The flusher's argument: the database's oid, and whether to flush its counters.
+/// The flusher's argument: the database's oid, whether to flush its counters, and whether to
+/// apply the retention rule.
 const COUNTERS_BIT: u64 = 1 << 32;
+const SWEEP_BIT: u64 = 1 << 33;
 
-/// Runs a flusher for `db` and waits for it; whether its transaction committed.
-fn run_flusher(db: u32, counters: bool) -> bool {
+/// Runs a flusher for `db` (with the work bits `work`) and waits for it; whether its
+/// transaction committed.
+fn run_flusher(db: u32, work: u64) -> bool {
     let commits = shmem::flusher_commits(db);
     let started = BackgroundWorkerBuilder::new(&format!("stage_e_slots flusher for database {db}"))
         .set_type("stage_e_slots flusher")
         .set_library(LIBRARY)
         .set_function("stage_e_slots_flusher_main")
         .enable_spi_access()
-        .set_argument(Some(pg_sys::Datum::from(
-            db as u64 | if counters { COUNTERS_BIT } else { 0 },
-        )))
+        .set_argument(Some(pg_sys::Datum::from(db as u64 | work)))
         // SAFETY: our own pid, so that we are told when the flusher starts and stops.
         .set_notify_pid(unsafe { pg_sys::MyProcPid })
         .load_dynamic();
@@ -262,6 +285,7 @@ fn run_flusher(db: u32, counters: bool) -> bool {
 pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGTERM);
     let counters = arg.value() as u64 & COUNTERS_BIT != 0;
+    let sweep = arg.value() as u64 & SWEEP_BIT != 0;
     let db = pg_sys::Oid::from(arg.value() as u32);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
     let written = BackgroundWorker::transaction(|| {
@@ -299,6 +323,32 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
                 Ok(None) => drop_orphaned(db),
                 Err(e) => error!(
                     "stage_e_slots: flush of database {} failed: {e}",
+                    db.to_u32()
+                ),
+            }
+        }
+        if let (true, Some(ext), Some(retention)) = (sweep, &ext, gucs::counter_retention()) {
+            let keep = written.iter().filter_map(|w| w.name()).collect();
+            match flush::expire(ext, retention, keep) {
+                Ok((0, _)) => {}
+                Ok((rows, horizons)) => log!(
+                    "stage_e_slots: deleted the counter rows of {rows} cap(s) of database \"{}\" \
+                     unused for longer than stage_e_slots.counter_retention ({} s){}{}",
+                    sql::current_database(),
+                    retention.as_secs(),
+                    if horizons > 0 {
+                        format!(", and {horizons} of their lease horizon rows")
+                    } else {
+                        String::new()
+                    },
+                    if rows >= flush::RETENTION_BATCH {
+                        "; more are left for the next round"
+                    } else {
+                        ""
+                    }
+                ),
+                Err(e) => error!(
+                    "stage_e_slots: the counter retention of database {} failed: {e}",
                     db.to_u32()
                 ),
             }

@@ -356,7 +356,9 @@ def test_snapshot_is_a_monitoring_document(manual):
         assert (h["token"], h["expires_at"]) == (None, None)  # a session slot, not a lease
         assert snap["holders"][1]["cap"] == "exports"
         assert snap["memory"]["caps_in_use"] >= 2 and snap["memory"]["max_caps"] == 4096
-        assert set(snap) == {"database", "config", "memory", "held", "caps", "holders"}
+        assert set(snap) == {"database", "config", "memory", "held", "caps_total", "truncated",
+                             "caps", "holders"}
+        assert (snap["caps_total"], snap["truncated"]) == (2, False)
     holder.close()
 
 

@@ -10,6 +10,20 @@ use crate::sql;
 use pgrx::prelude::*;
 use serde::Serialize;
 use stage_e_core::counters::{CounterValues, COUNT};
+use std::collections::HashMap;
+
+/// At most this many caps in the document: the busiest (most held, then most throttled), so
+/// that a database with any number of counter rows gets a document of bounded size (far below
+/// jsonb's limit), built in time linear in its rows.
+pub const MAX_CAPS: usize = 1_000;
+
+/// A cap's counter row (its index), pending counts and held slots, joined by name.
+#[derive(Default, Clone, Copy)]
+struct Joined {
+    row: Option<usize>,
+    pending: CounterValues,
+    held: u32,
+}
 
 #[derive(Serialize)]
 struct SnapshotConfig {
@@ -60,6 +74,10 @@ struct Snapshot {
     config: SnapshotConfig,
     memory: SnapshotMemory,
     held: u32,
+    /// How many caps the database has (a counter row, or in use); `caps` has at most
+    /// [`MAX_CAPS`] of them, and `truncated` says it left some out.
+    caps_total: usize,
+    truncated: bool,
     caps: Vec<SnapshotCap>,
     holders: Vec<SnapshotHolder>,
 }
@@ -114,28 +132,47 @@ pub fn snapshot_document() -> serde_json::Value {
     let (rows, holders) = read.unwrap_or_else(|e| raise_internal(format!("{e}")));
     let newest = rows.iter().map(|r| r.3).max();
     let pending = flush::pending(newest);
-    let mut names: Vec<String> = rows.iter().map(|r| r.0.clone()).collect();
-    names.extend(pending.iter().map(|p| p.0.clone()));
-    names.sort();
-    names.dedup();
-    let caps = names
+    // One map from name to (row, pending, held): linear in rows, whatever their number.
+    let mut by_name: HashMap<&str, Joined> = HashMap::with_capacity(rows.len() + pending.len());
+    for (i, r) in rows.iter().enumerate() {
+        by_name.entry(&r.0).or_default().row = Some(i);
+    }
+    for (name, p) in &pending {
+        by_name.entry(name).or_default().pending = *p;
+    }
+    for s in &stats {
+        if let Some(j) = by_name.get_mut(s.cap.as_str()) {
+            j.held = s.held;
+        }
+    }
+    let caps_total = by_name.len();
+    let mut chosen: Vec<(&str, Joined)> = by_name.into_iter().collect();
+    let truncated = chosen.len() > MAX_CAPS;
+    if truncated {
+        // The busiest: most held, then most throttled (flushed + pending), then by name.
+        let throttled = |j: &Joined| j.row.map_or(0, |i| rows[i].1.throttled) + j.pending.throttled;
+        chosen.select_nth_unstable_by(MAX_CAPS - 1, |a, b| {
+            b.1.held
+                .cmp(&a.1.held)
+                .then_with(|| throttled(&b.1).cmp(&throttled(&a.1)))
+                .then_with(|| a.0.cmp(b.0))
+        });
+        chosen.truncate(MAX_CAPS);
+    }
+    chosen.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let caps = chosen
         .into_iter()
-        .map(|cap| {
-            let row = rows.iter().find(|r| r.0 == cap);
+        .map(|(cap, j)| {
+            let row = j.row.map(|i| &rows[i]);
             let flushed = row.map(|r| r.1).unwrap_or_default();
-            let pending = pending
-                .iter()
-                .find(|p| p.0 == cap)
-                .map(|p| p.1)
-                .unwrap_or_default();
             SnapshotCap {
-                key: shmem::cap_key(&cap),
-                held: stats.iter().find(|s| s.cap == cap).map_or(0, |s| s.held),
-                totals: flushed.plus(pending),
+                key: shmem::cap_key(cap),
+                held: j.held,
+                totals: flushed.plus(j.pending),
                 flushed,
                 flushed_at: row.and_then(|r| r.2.clone()),
-                pending,
-                cap,
+                pending: j.pending,
+                cap: cap.to_string(),
             }
         })
         .collect();
@@ -157,6 +194,8 @@ pub fn snapshot_document() -> serde_json::Value {
             slot_pages: usage.pages,
         },
         held: holders.len() as u32,
+        caps_total,
+        truncated,
         caps,
         holders,
     };

@@ -434,6 +434,19 @@ pub fn caps(db: Option<u32>) -> Vec<Cap> {
         .collect()
 }
 
+/// Names of the caps of database `db` in use now: a held slot or lease, a waiter, counts
+/// pending, a flush in progress or a hold (what keeps a cap from being reclaimed but its pins).
+/// The retention rule keeps their counter rows.
+pub fn busy_caps(db: u32) -> Vec<String> {
+    caps(Some(db))
+        .into_iter()
+        .filter(|cap| {
+            !cap.entry().idle() || cap.bits().iter().any(|w| w.load(Ordering::Acquire) != 0)
+        })
+        .map(|cap| cap.name())
+        .collect()
+}
+
 fn sorted(mut dbs: Vec<u32>) -> Vec<u32> {
     dbs.sort_unstable();
     dbs.dedup();

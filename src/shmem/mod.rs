@@ -30,7 +30,7 @@ mod segment;
 mod waitq;
 
 pub use caps::{
-    cap_key, cap_refs, caps, create, databases, databases_with_pending, grow, lookup,
+    busy_caps, cap_key, cap_refs, caps, create, databases, databases_with_pending, grow, lookup,
     reclaim_database, usage, CapError,
 };
 #[cfg(any(test, feature = "pg_test"))]
