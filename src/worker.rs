@@ -198,9 +198,7 @@ fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>) -> Vec<u32> {
     };
     if counters {
         for db in shmem::databases_to_recheck() {
-            if !dbs.iter().any(|(d, _)| *d == db) {
-                dbs.push((db, false));
-            }
+            add(db, 0);
         }
         for db in shmem::databases_with_pending() {
             add(db, COUNTERS_BIT);
