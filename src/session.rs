@@ -237,6 +237,12 @@ pub fn in_recovery() -> bool {
     in_recovery
 }
 
+/// Whether this process runs under a postmaster (false in a single-user backend).
+pub fn under_postmaster() -> bool {
+    // SAFETY: a flag set once at process start.
+    unsafe { pg_sys::IsUnderPostmaster }
+}
+
 /// Whether this backend has seen its database loaded.
 #[inline]
 pub fn database_loaded() -> bool {

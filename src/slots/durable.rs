@@ -29,6 +29,14 @@ pub fn ensure_loaded() -> Result<(), SlotError> {
 #[cold]
 fn load() -> Result<(), SlotError> {
     let db = session::database();
+    if !session::under_postmaster() {
+        // A single-user backend (`postgres --single`) has no launcher: it loads its database
+        // itself (it is the superuser). Leases there still need a flusher, so they fail closed.
+        crate::durable::load(db, crate::sql::extension().as_ref())
+            .map_err(|_| SlotError::NotLoaded)?;
+        session::set_database_loaded();
+        return Ok(());
+    }
     let deadline = Instant::now() + DURABLE_WAIT;
     let mut asked = false;
     loop {
