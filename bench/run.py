@@ -370,6 +370,7 @@ def first_grant_after_promotion(lease_live: bool) -> float:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the lease horizon was not written")
                 time.sleep(0.05)
+        primary.sql("CHECKPOINT")  # else pg_basebackup waits for a spread checkpoint
         standby.start_as_standby_of(primary)
         with primary.connect("bench") as c:
             lsn = c.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
@@ -577,7 +578,7 @@ def report(r: dict) -> str:
         lines.append(f"| {name} | {v:.2f}{unit} | {want} | {'PASS' if ok else 'FAIL'} |")
     m = r["memory"]
     lines += ["", f"Shared memory at the defaults: {m['default_total'] / 1e6:.2f} MB in all; "
-              f"a cap costs {m['entry_bytes']:.0f} B (its 704-byte entry and its share of the "
+              f"a cap costs {m['entry_bytes']:.0f} B (its 768-byte entry and its share of the "
               f"index), and each kB of "
               f"`stage_e_slots.slot_memory` costs {m['arena_bytes_per_kb']:.0f} B (arena and "
               f"its allocator)."]

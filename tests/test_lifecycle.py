@@ -646,6 +646,34 @@ def test_files_from_another_major_are_ignored_with_a_log_line_never_trusted():
             assert_reclaims(s, out)
 
 
+def horizon_row_writes(conn):
+    """Rows of stage_e_lease_horizon written so far, per the statistics (flushers report them
+    as they exit)."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    return one(conn, "SELECT coalesce(sum(n_tup_ins + n_tup_upd), 0) FROM pg_stat_all_tables "
+                     "WHERE relname = 'stage_e_lease_horizon'")
+
+
+def test_idle_caps_rows_are_written_once_not_over_and_over():
+    """A cap used once with a session slot gets its row (its token floor) once; a cap whose
+    lease ended gets its horizon brought down once: then nothing is written for either, however
+    long they stay idle (a row written for its floor alone must not look like a horizon to bring
+    down, every 2 s, forever)."""
+    with running("life_idle") as c:
+        with c.connect(DB) as s:
+            assert try_slot(s, "sess", 2) == 0
+            assert one(s, "SELECT stage_e_release('sess', 0)") is True
+            slot, token = lease(s, "gone", 1, "1 s")
+            assert one(s, "SELECT stage_e_release_lease('gone', %s, %s)", (slot, token)) is True
+            wait_for(lambda: one(s, "SELECT count(*) FROM stage_e_lease_horizon WHERE "
+                                    "cap = 'sess' OR (cap = 'gone' AND horizon <= now())") == 2,
+                     timeout=30, interval=0.2, what="both rows written, gone's brought down")
+            time.sleep(1.5)  # the last flusher's statistics
+            before = horizon_row_writes(s)
+            time.sleep(6)
+            assert horizon_row_writes(s) == before
+
+
 # -- 7. bad settings ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,default", [("stage_e_slots.recovery_hold", "0"),

@@ -129,12 +129,14 @@ impl CapEntry {
             || self.may_quiet(now)
     }
 
-    /// Open, with no lease, no change since the last journal write for a while, no hold and no
-    /// wish pending: its horizon can be lowered (see "Quiet").
+    /// Open (a horizon ahead), with no lease, no change since the last journal write for a
+    /// while, no hold and no wish pending: its horizon can be lowered (see "Quiet").
     fn may_quiet(&self, now: i64) -> bool {
         let d = &self.durable;
         let horizon = d.horizon.load(Ordering::Acquire);
-        horizon > 0
+        // Only a horizon still ahead has anything to come down from (a row written for its
+        // floor alone says "now", which holds nothing back).
+        horizon > now
             && self.counters.leases.load(Ordering::Acquire) == 0
             && d.horizon_wanted.load(Ordering::Acquire) <= horizon
             && d.lease_changes.load(Ordering::Acquire) == d.journal_written.load(Ordering::Acquire)
@@ -495,14 +497,16 @@ pub fn recorded_databases() -> Vec<u32> {
     })
 }
 
-/// Whether any lease is live or any cap's horizon is open: the launcher then looks every
+/// Whether any lease is live or any cap's horizon is ahead: the launcher then looks every
 /// second for journals to write and caps gone quiet.
 pub fn durable_watch() -> bool {
+    // SAFETY: reads the clock.
+    let now = unsafe { pgrx::pg_sys::GetCurrentTimestamp() };
     segment().is_some_and(|seg| {
         seg.leases.iter().any(|r| r.is_live())
             || seg
                 .live()
-                .any(|e| e.durable.horizon.load(Ordering::Relaxed) > 0)
+                .any(|e| e.durable.horizon.load(Ordering::Relaxed) > now)
     })
 }
 
