@@ -172,6 +172,9 @@ pub fn user_id() -> u32 {
 /// decides for another session: the owner's privileges, or `pg_signal_backend`'s for a lease
 /// not taken by a superuser.
 pub fn may_act_for(owner: u32) -> bool {
+    if owner == user_id() {
+        return true; // the common case, without a catalog lookup
+    }
     let me = pg_sys::Oid::from(user_id());
     let owner = pg_sys::Oid::from(owner);
     // SAFETY: catalog lookups of role membership, inside the caller's transaction.
@@ -200,6 +203,9 @@ pub fn role_name(role: u32) -> String {
 /// `pg_stat_activity` shows another session's query, the owner's privileges or
 /// `pg_read_all_stats`'.
 pub fn may_see_token_of(owner: u32) -> bool {
+    if owner == user_id() {
+        return true;
+    }
     let me = pg_sys::Oid::from(user_id());
     // SAFETY: catalog lookups of role membership, inside the caller's transaction.
     unsafe {
