@@ -586,7 +586,7 @@ mod unit {
                 &horizon,
                 &granting,
                 || leases.load(Ordering::SeqCst),
-                || std::thread::yield_now(),
+                std::thread::yield_now,
             ) {
                 quiet.store(true, Ordering::SeqCst);
                 closes.fetch_add(1, Ordering::Relaxed);
