@@ -11,10 +11,10 @@
 //! **Markers.** A leased slot's holder record names its lease record instead of a backend:
 //! pid `-(index + 1)`, never 0 (no holder) nor positive (a backend).
 //!
-//! **Tokens.** Every acquisition of a cap takes the next value of the cap's counter, which a cap
-//! entry starts at the clock in microseconds times 1,024 ([`token_base`]): the tokens of a cap
-//! made again (after a restart, a crash or a reclaim) start above every earlier one as long as
-//! it took fewer than 1,024 slots per microsecond on average and the clock did not go back.
+//! **Tokens.** Every acquisition of any cap takes the next value of the server's counter
+//! (`lifecycle::TokenCounter`), which starts at the clock in microseconds times 1,024
+//! ([`token_base`]) and is raised above every saved or durable floor: so tokens keep growing
+//! across a restart, a crash or a promotion, also when the new server's clock is behind.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -82,7 +82,7 @@ pub fn record_of(pid: i32) -> Option<usize> {
 /// Tokens per microsecond of the clock, as a shift.
 pub const TOKENS_PER_MICROSECOND_LOG2: u32 = 10;
 
-/// The first token of a cap entry made at `now_us` (microseconds of the server's clock).
+/// The clock-based start of the token counter at `now_us` (microseconds of the server's clock).
 pub fn token_base(now_us: i64) -> u64 {
     (now_us.max(0) as u64) << TOKENS_PER_MICROSECOND_LOG2
 }
@@ -107,7 +107,7 @@ mod unit {
     }
 
     #[test]
-    fn tokens_of_a_later_entry_start_above_an_earlier_ones() {
+    fn a_later_clock_base_starts_above_an_earlier_ones_tokens() {
         let earlier = token_base(1_000_000);
         // 1,023 acquisitions per microsecond for a whole second still stay below.
         let taken = earlier + 1_000_000 * 1_023;
