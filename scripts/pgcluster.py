@@ -100,12 +100,12 @@ class Cluster:
         its children are gone (not just zombies: a new postmaster refuses a lock file whose pid
         exists), leaving the data directory as it was. start() then runs crash recovery."""
         postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
-        family = [postmaster] + _children_of(postmaster)
+        family = [postmaster] + children_of(postmaster)
         os.kill(postmaster, signal.SIGKILL)
-        wait_for(lambda: all(_state(p) in (None, "Z") for p in family), timeout=60,
+        wait_for(lambda: all(proc_state(p) in (None, "Z") for p in family), timeout=60,
                  interval=0.05, what="the killed server's processes to exit")
         # Orphans are reparented to PID 1, which reaps them when it gets to it: wait for that too.
-        wait_for(lambda: all(_state(p) is None for p in family), timeout=60, interval=0.05,
+        wait_for(lambda: all(proc_state(p) is None for p in family), timeout=60, interval=0.05,
                  what="the killed server's processes to be reaped")
 
     def destroy(self) -> None:
@@ -150,7 +150,7 @@ class Cluster:
         return self.start()
 
 
-def _state(pid: int) -> str | None:
+def proc_state(pid: int) -> str | None:
     """The kernel's one-letter state of a process ('Z' zombie), None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -159,7 +159,7 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _children_of(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():

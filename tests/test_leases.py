@@ -25,7 +25,7 @@ import pytest
 from psycopg import errors
 
 from conftest import cap_locks, one, stats
-from pgcluster import Cluster, wait_for
+from pgcluster import Cluster, children_of, proc_state, wait_for  # noqa: F401 (re-exported)
 
 # The LOG line of an expiry, with the log_line_prefix ('%m [%p] %a: ') pid of who freed it.
 EXPIRY = re.compile(
@@ -150,28 +150,6 @@ def hammer_until_free(conn, cap, n, timeout=30):
         failed.append(at)
         time.sleep(0.02)  # the polling pace, not a synchronisation
     raise AssertionError(f"no slot of cap {cap} within {timeout}s")
-
-
-def proc_state(pid):
-    """The kernel's one-letter state of a process ('T' stopped, 'Z' zombie), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def children_of(pid):
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                pass
-    return kids
 
 
 @contextmanager

@@ -447,7 +447,8 @@ pub fn busy_caps(db: u32) -> Vec<String> {
         .collect()
 }
 
-fn sorted(mut dbs: Vec<u32>) -> Vec<u32> {
+/// Sorted, each once.
+pub(super) fn sorted(mut dbs: Vec<u32>) -> Vec<u32> {
     dbs.sort_unstable();
     dbs.dedup();
     dbs

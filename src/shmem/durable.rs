@@ -28,6 +28,7 @@
 //! database's state goes UNLOADED → REQUESTED (a backend asks) → LOADED (the flusher loaded its
 //! rows, or found it has no table), and never back while the segment lives.
 
+use super::caps::sorted;
 use super::entry::CapEntry;
 use super::leases::{last_token, raise_tokens};
 use super::segment::segment;
@@ -430,58 +431,45 @@ pub fn databases_to_load() -> Vec<u32> {
         .collect()
 }
 
-/// Databases with the durable table and a cap whose horizon, floor or journal is due to be
-/// written at `now` (a database not yet updated to 0.6.0 has nowhere to write them).
-pub fn databases_with_horizon_work(now: i64, journal_every_us: i64) -> Vec<u32> {
+/// The databases of the live caps `take` selects, loaded with (or without) the durable table,
+/// sorted, each once.
+fn databases_where(take: impl Fn(&CapEntry) -> bool, has_table: bool) -> Vec<u32> {
     let Some(seg) = segment() else {
         return Vec::new();
     };
-    let mut dbs: Vec<u32> = seg
-        .live()
-        .filter(|e| e.horizon_due(now, journal_every_us))
-        .map(|e| e.database())
-        .filter(|&d| d != 0 && loaded(d) == Some(true))
-        .collect();
-    dbs.sort_unstable();
-    dbs.dedup();
-    dbs
+    sorted(
+        seg.live()
+            .filter(|e| take(e))
+            .map(|e| e.database())
+            .filter(|&d| d != 0 && loaded(d) == Some(has_table))
+            .collect(),
+    )
+}
+
+/// Databases with the durable table and a cap whose horizon, floor or journal is due to be
+/// written at `now` (a database not yet updated to 0.6.0 has nowhere to write them).
+pub fn databases_with_horizon_work(now: i64, journal_every_us: i64) -> Vec<u32> {
+    databases_where(|e| e.horizon_due(now, journal_every_us), true)
 }
 
 /// Databases loaded without the durable table that have caps in use: once per counters round
 /// a flusher looks again, since `ALTER EXTENSION stage_e_slots UPDATE` may have made it.
 pub fn databases_to_recheck() -> Vec<u32> {
-    let Some(seg) = segment() else {
-        return Vec::new();
-    };
-    let mut dbs: Vec<u32> = seg
-        .live()
-        .map(|e| e.database())
-        .filter(|&d| d != 0 && loaded(d) == Some(false))
-        .collect();
-    dbs.sort_unstable();
-    dbs.dedup();
-    dbs
+    databases_where(|_| true, false)
 }
 
 /// Databases where a call waits on a flusher: to be loaded, or with a lease grant waiting for
 /// an advance.
 pub fn databases_with_waiting_calls() -> Vec<u32> {
-    let Some(seg) = segment() else {
-        return Vec::new();
-    };
     let mut dbs = databases_to_load();
-    dbs.extend(
-        seg.live()
-            .filter(|e| {
-                let d = &e.durable;
-                d.horizon_wanted.load(Ordering::Acquire) > d.horizon.load(Ordering::Acquire)
-            })
-            .map(|e| e.database())
-            .filter(|&d| d != 0 && loaded(d) == Some(true)),
-    );
-    dbs.sort_unstable();
-    dbs.dedup();
-    dbs
+    dbs.extend(databases_where(
+        |e| {
+            let d = &e.durable;
+            d.horizon_wanted.load(Ordering::Acquire) > d.horizon.load(Ordering::Acquire)
+        },
+        true,
+    ));
+    sorted(dbs)
 }
 
 /// Databases with a record here (loaded or asked to be).
