@@ -5,7 +5,7 @@
 use crate::flush::FlushError;
 use crate::gucs;
 use crate::shmem::CapError;
-use crate::slots::SlotError;
+use crate::slots::{NamedError, SlotError};
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 use stage_e_core::directory::{NameError, DEFAULT_CAP, MAX_NAME};
@@ -203,34 +203,6 @@ pub fn describe(e: &SlotError) -> Described {
             ),
             Some("Use the extension from fewer databases of this server.".into()),
         ),
-        SlotError::NoDurableRoom { cap } => said(
-            ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-            format!("the lease horizon of cap \"{cap}\" could not be made durable"),
-            "A lease is granted only once a committed row covers its expiry, so that a crash or \
-             a failover cannot free it early; no row was committed within 10 s, so no lease was \
-             granted or renewed."
-                .into(),
-            Some(
-                "Check that the stage_e_slots launcher runs and that its flusher can write \
-                 stage_e_lease_horizon (the server log says why not)."
-                    .into(),
-            ),
-        ),
-        SlotError::NotLeaseOwner { cap, slot, owner } => said(
-            ERRCODE_INSUFFICIENT_PRIVILEGE,
-            format!(
-                "permission denied to renew or release the lease of slot {slot} of cap \"{cap}\""
-            ),
-            format!(
-                "The lease belongs to role {}, which took it; nothing was changed.",
-                crate::session::role_name(*owner)
-            ),
-            Some(
-                "Renew or release a lease as the role that took it, a member of that role, or \
-                 a member of pg_signal_backend (for a lease not taken by a superuser)."
-                    .into(),
-            ),
-        ),
         SlotError::NeedsRoom { .. } => said(
             ERRCODE_INTERNAL_ERROR,
             "stage_e_slots: a lease waited for its horizon outside its retry".into(),
@@ -261,7 +233,43 @@ pub fn describe(e: &SlotError) -> Described {
             format!("A cap name is 1 to {MAX_NAME} bytes."),
             Some("Use a shorter name; a hash of a long key works (md5(key) is 32 bytes).".into()),
         ),
-        SlotError::Cap(f) => describe_cap(&f.cap, &f.error),
+        SlotError::Named(e) => describe_named(&e.cap, &e.what),
+    }
+}
+
+/// An error about cap `cap`.
+fn describe_named(cap: &str, e: &NamedError) -> Described {
+    use PgSqlErrorCode::*;
+    match *e {
+        NamedError::Cap(ref e) => describe_cap(cap, e),
+        NamedError::NoDurableRoom => said(
+            ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+            format!("the lease horizon of cap \"{cap}\" could not be made durable"),
+            "A lease is granted only once a committed row covers its expiry, so that a crash or \
+             a failover cannot free it early; no row was committed within 10 s, so no lease was \
+             granted or renewed."
+                .into(),
+            Some(
+                "Check that the stage_e_slots launcher runs and that its flusher can write \
+                 stage_e_lease_horizon (the server log says why not)."
+                    .into(),
+            ),
+        ),
+        NamedError::NotLeaseOwner { slot, owner } => said(
+            ERRCODE_INSUFFICIENT_PRIVILEGE,
+            format!(
+                "permission denied to renew or release the lease of slot {slot} of cap \"{cap}\""
+            ),
+            format!(
+                "The lease belongs to role {}, which took it; nothing was changed.",
+                crate::session::role_name(owner)
+            ),
+            Some(
+                "Renew or release a lease as the role that took it, a member of that role, or \
+                 a member of pg_signal_backend (for a lease not taken by a superuser)."
+                    .into(),
+            ),
+        ),
     }
 }
 

@@ -6,7 +6,7 @@
 //! work; it commits in its own transaction), answering cancels; none holds a lock or claims a
 //! slot while it waits.
 
-use super::SlotError;
+use super::{NamedError, SlotError};
 use crate::gucs;
 use crate::session;
 use crate::shmem::{self, Cap};
@@ -83,7 +83,7 @@ pub fn wait_for_room(cap: &Cap, expires_at: i64, token: u64) -> Result<(), SlotE
     let margin = gucs::lease_horizon_margin_us();
     while cap.room(expires_at, token, margin) == Room::Wait {
         if Instant::now() >= deadline {
-            return Err(SlotError::NoDurableRoom { cap: cap.name() });
+            return Err(SlotError::named(cap.name(), NamedError::NoDurableRoom));
         }
         session::nap_ms(2);
     }

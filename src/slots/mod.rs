@@ -65,33 +65,42 @@ pub enum SlotError {
     NotLoaded,
     /// The database table of `stage_e_slots.max_databases`-like records is full.
     TooManyDatabases,
-    /// The lease horizon (or token floor) of `cap` was not made durable in time.
-    NoDurableRoom {
-        cap: String,
-    },
-    /// The current role may not renew or release the lease of `slot` of `cap`, which role
-    /// `owner` took.
-    NotLeaseOwner {
-        cap: String,
-        slot: u32,
-        owner: u32,
-    },
-    /// A lease to `expires_at` with `token` needs an advance of the horizon first (internal:
-    /// `lease` waits for it and tries again).
+    /// A lease needs an advance of the horizon first (internal: `lease` waits for it and tries
+    /// again).
     NeedsRoom {
         expires_at: i64,
         token: u64,
     },
-    /// A cap could not be created or grown (boxed: the error path only, and it keeps every
-    /// `Result` of the hot path small).
-    Cap(Box<CapFailure>),
+    /// What went wrong with a cap by name. Boxed: the error path only, and the one variant that
+    /// owns memory, so that every `Result` of the hot path is small and drops for free.
+    Named(Box<Named>),
 }
 
-/// Which cap could not be created or grown, and why.
+/// An error about one cap, by name.
 #[derive(Debug, PartialEq)]
-pub struct CapFailure {
+pub struct Named {
     pub cap: String,
-    pub error: CapError,
+    pub what: NamedError,
+}
+
+#[derive(Debug, PartialEq)]
+pub enum NamedError {
+    /// The cap could not be created or grown.
+    Cap(CapError),
+    /// The lease horizon (or token floor) of the cap was not made durable in time.
+    NoDurableRoom,
+    /// The current role may not renew or release the lease of `slot`, which role `owner`
+    /// took.
+    NotLeaseOwner { slot: u32, owner: u32 },
+}
+
+impl SlotError {
+    pub fn named(cap: impl Into<String>, what: NamedError) -> SlotError {
+        SlotError::Named(Box::new(Named {
+            cap: cap.into(),
+            what,
+        }))
+    }
 }
 
 pub enum Release {
@@ -231,12 +240,7 @@ fn existing(name: &str) -> Option<Cap> {
 /// The cap named `name` pinned, created on first use and grown to hold `n` slots: only
 /// `stage_e_try_slot` does this, so reading or releasing never uses up an entry.
 fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
-    let fail = |error| {
-        SlotError::Cap(Box::new(CapFailure {
-            cap: name.to_string(),
-            error,
-        }))
-    };
+    let fail = |error| SlotError::named(name, NamedError::Cap(error));
     loop {
         let cap = match existing(name) {
             Some(cap) => cap,
@@ -333,9 +337,10 @@ pub fn lease(
             other => return Ok(other?.map(|t| t.first())),
         }
     }
-    Err(SlotError::NoDurableRoom {
-        cap: cap.unwrap_or_default().to_string(),
-    })
+    Err(SlotError::named(
+        cap.unwrap_or_default(),
+        NamedError::NoDurableRoom,
+    ))
 }
 
 fn check_ttl(ttl_us: Option<i64>) -> Result<i64, SlotError> {
@@ -595,11 +600,13 @@ pub fn settle_lease(
     // looked at further or counted (the token need not even match).
     if let Some(l) = cap.lease_of(slot) {
         if !session::may_act_for(l.owner) {
-            return Err(SlotError::NotLeaseOwner {
-                cap: name.to_string(),
-                slot,
-                owner: l.owner,
-            });
+            return Err(SlotError::named(
+                name,
+                NamedError::NotLeaseOwner {
+                    slot,
+                    owner: l.owner,
+                },
+            ));
         }
     }
     let mut now = session::now();
