@@ -4,7 +4,7 @@
 
 use crate::flush::FlushError;
 use crate::gucs;
-use crate::shmem::CapError;
+use crate::shmem::{CapError, Pool};
 use crate::slots::{NamedError, SlotError};
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
@@ -168,6 +168,19 @@ pub fn describe(e: &SlotError) -> Described {
                     .into(),
             ),
         ),
+        SlotError::TooManySessionSlots { held, k, max } => said(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            format!("this session holds {held} session slots and may hold at most {max}"),
+            format!(
+                "Taking {k} more would pass stage_e_slots.max_session_slots; each session slot \
+                 is an advisory lock in the lock table every database shares. Nothing was taken."
+            ),
+            Some(
+                "Release slots this session no longer needs, spread the work over sessions, or \
+                 ask a superuser to raise stage_e_slots.max_session_slots."
+                    .into(),
+            ),
+        ),
         SlotError::NoLeaseRecord { max_leases } => said(
             ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
             "stage_e_slots has no room for another lease".into(),
@@ -308,6 +321,25 @@ pub fn describe_cap(cap: &str, e: &CapError) -> Described {
                  \"{other}\" is default, change stage_e_slots.lock_key."
             )),
         ),
+        CapError::OverShare { pool, share, limit } => said(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            format!(
+                "database \"{}\" holds its share of {}: no room for cap \"{cap}\"",
+                crate::session::database_name(),
+                pool_words(*pool)
+            ),
+            format!(
+                "stage_e_slots.database_share is {share}% here, so one database may hold {limit} \
+                 {}; nothing was taken.",
+                pool_unit(*pool)
+            ),
+            Some(
+                "Release slots and leases this database no longer needs (idle caps go by \
+                 themselves), or ask a superuser to raise stage_e_slots.database_share for \
+                 this database (ALTER DATABASE ... SET)."
+                    .into(),
+            ),
+        ),
         CapError::Busy => said(
             ERRCODE_OBJECT_IN_USE,
             format!("cap \"{cap}\" could not be resized: it stayed in use"),
@@ -316,6 +348,23 @@ pub fn describe_cap(cap: &str, e: &CapError) -> Described {
                 .into(),
             Some("Try again.".into()),
         ),
+    }
+}
+
+/// A pool, in words.
+fn pool_words(pool: Pool) -> &'static str {
+    match pool {
+        Pool::Caps => "the caps (stage_e_slots.max_caps)",
+        Pool::SlotMemory => "the slot memory (stage_e_slots.slot_memory)",
+        Pool::Leases => "the lease records (stage_e_slots.max_leases)",
+    }
+}
+
+fn pool_unit(pool: Pool) -> &'static str {
+    match pool {
+        Pool::Caps => "caps",
+        Pool::SlotMemory => "pages of slot memory",
+        Pool::Leases => "live leases",
     }
 }
 
@@ -446,6 +495,12 @@ impl std::fmt::Display for CapError {
                 "it has the same lock key ({key}) as cap \"{other}\", which is in use"
             ),
             CapError::Busy => f.write_str("it stayed in use while it was being resized"),
+            CapError::OverShare { pool, share, limit } => write!(
+                f,
+                "its database holds its share ({share}%: {limit} {}) of {}",
+                pool_unit(*pool),
+                pool_words(*pool)
+            ),
         }
     }
 }

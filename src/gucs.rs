@@ -21,6 +21,8 @@ pub const DEFAULT_LEASE_HORIZON_MARGIN_MS: i32 = 2_000;
 pub const MAX_LEASE_HORIZON_MARGIN_MS: i32 = 3_600_000;
 pub const MAX_RECOVERY_HOLD_MS: i32 = 86_400_000;
 pub const DEFAULT_MAX_LEASE_TTL_S: i32 = 86_400;
+/// One session may hold as many slots as one full cap of the default `max_slots`.
+pub const DEFAULT_MAX_SESSION_SLOTS: i32 = 1024;
 
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
@@ -33,6 +35,8 @@ static LEASE_HORIZON_MARGIN_MS: GucSetting<i32> =
 static RECOVERY_HOLD_MS: GucSetting<i32> = GucSetting::<i32>::new(0);
 static MAX_LEASE_TTL_S: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_LEASE_TTL_S);
 static COUNTER_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(0);
+static DATABASE_SHARE: GucSetting<i32> = GucSetting::<i32>::new(100);
+static MAX_SESSION_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SESSION_SLOTS);
 
 pub fn init() {
     GucRegistry::define_int_guc(
@@ -145,6 +149,31 @@ pub fn init() {
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.database_share",
+        c"Percent of max_caps, max_leases and slot_memory that one database may hold.",
+        c"Like a database's connection limit: a database at its share is refused new caps, \
+          leases or slot memory (SQLSTATE 53400) while others keep theirs. 100 (the default) \
+          lets one database use it all. Only superusers may change it, also per database with \
+          ALTER DATABASE ... SET.",
+        &DATABASE_SHARE,
+        1,
+        100,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.max_session_slots",
+        c"Most session slots one session may hold at once, over all caps.",
+        c"Each session slot is an advisory lock in PostgreSQL's shared lock table, which every \
+          database shares: this keeps one call such as stage_e_try_slot over a large query \
+          from filling it. Only superusers may change it.",
+        &MAX_SESSION_SLOTS,
+        1,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
 }
 
 /// A postmaster-context setting, read without `GucSetting::get`'s thread check (a thread-local
@@ -187,6 +216,24 @@ pub fn counter_retention() -> Option<std::time::Duration> {
 
 pub fn flush_interval() -> std::time::Duration {
     std::time::Duration::from_millis(FLUSH_INTERVAL_MS.get() as u64)
+}
+
+/// A setting this session may change (SET, ALTER DATABASE/ROLE ... SET), read without
+/// `GucSetting::get`'s thread check: it is on the acquire path.
+fn current(setting: &'static GucSetting<i32>) -> i32 {
+    // SAFETY: `as_ptr` is the variable the GUC machinery assigns, only ever from this
+    // backend's one thread, which is the thread reading it here.
+    unsafe { *setting.as_ptr() }
+}
+
+/// `stage_e_slots.database_share`: the percent of each server-wide pool one database may hold.
+pub fn database_share() -> u32 {
+    current(&DATABASE_SHARE) as u32
+}
+
+/// `stage_e_slots.max_session_slots`.
+pub fn max_session_slots() -> u32 {
+    current(&MAX_SESSION_SLOTS) as u32
 }
 
 /// `stage_e_slots.lease_horizon_margin`, in microseconds.

@@ -8,6 +8,11 @@
 //!   slot)`; all of which only the holder itself can run) are cleared from shared memory
 //!   (`slots::held::reconcile`).
 //! - At subtransaction end, a flush made in it is settled or handed to its parent.
+//! - `DROP EXTENSION stage_e_slots` (also through `DROP SCHEMA ... CASCADE` or `DROP OWNED`) is
+//!   noticed by an object-access hook, installed in `_PG_init` (the one hook every backend
+//!   inherits), and remembered with its subtransaction; when the dropping transaction commits,
+//!   the database's caps end (`slots::end_database`): leases freed, pending counts dropped.
+//!   A rolled-back drop changes nothing.
 //!
 //! Registered lazily, by the SQL functions that acquire (`api`) and by a flush (`flush`), before
 //! they act: `_PG_init` runs in the postmaster, whose exit callbacks children discard, and a
@@ -22,6 +27,50 @@ use session::BackendLocal;
 use std::cell::Cell;
 
 static REGISTERED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
+/// The hook installed before ours, called first.
+static PREV_OBJECT_ACCESS: BackendLocal<Cell<pg_sys::object_access_hook_type>> =
+    BackendLocal::new(Cell::new(None));
+/// The subtransaction that dropped the extension, until its transaction ends.
+static DROPPED_IN: BackendLocal<Cell<Option<pg_sys::SubTransactionId>>> =
+    BackendLocal::new(Cell::new(None));
+
+/// From `_PG_init`, in the postmaster: every backend forks with the hook in place.
+pub fn install_object_access() {
+    // SAFETY: the postmaster loads shared_preload_libraries once, single-threaded; chaining the
+    // previous hook is the documented protocol.
+    unsafe {
+        PREV_OBJECT_ACCESS.set(pg_sys::object_access_hook);
+        pg_sys::object_access_hook = Some(on_object_access);
+    }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_object_access(
+    access: pg_sys::ObjectAccessType::Type,
+    class_id: pg_sys::Oid,
+    object_id: pg_sys::Oid,
+    sub_id: std::ffi::c_int,
+    arg: *mut std::ffi::c_void,
+) {
+    if let Some(prev) = PREV_OBJECT_ACCESS.get() {
+        // SAFETY: the previous hook, with the arguments it was given.
+        unsafe { prev(access, class_id, object_id, sub_id, arg) };
+    }
+    if access != pg_sys::ObjectAccessType::OAT_DROP
+        || class_id != pg_sys::ExtensionRelationId
+        || DROPPED_IN.get().is_some()
+    {
+        return;
+    }
+    // SAFETY: a catalog lookup inside the dropping transaction (the row is still visible to it
+    // while its dependents are dropped).
+    let ours = unsafe { pg_sys::get_extension_oid(c"stage_e_slots".as_ptr(), true) };
+    if object_id == ours && shmem::attached() {
+        ensure();
+        // SAFETY: inside a transaction.
+        DROPPED_IN.set(Some(unsafe { pg_sys::GetCurrentSubTransactionId() }));
+    }
+}
 
 /// Registers the hooks once per backend (not without shared memory: then nothing is held).
 #[inline]
@@ -70,8 +119,16 @@ unsafe extern "C-unwind" fn on_xact_end(
         XACT_EVENT_PRE_PREPARE if session::flushing() => {
             pgrx::error!("cannot PREPARE a transaction that flushed stage_e_slots counters")
         }
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => session::settle_flush(true),
-        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => session::settle_flush(false),
+        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
+            session::settle_flush(true);
+            if DROPPED_IN.take().is_some() {
+                crate::slots::end_database();
+            }
+        }
+        XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => {
+            session::settle_flush(false);
+            DROPPED_IN.set(None);
+        }
         _ => return,
     }
     if session::tracks_any() {
@@ -87,9 +144,13 @@ unsafe extern "C-unwind" fn on_subxact_end(
     _arg: *mut std::ffi::c_void,
 ) {
     use pg_sys::SubXactEvent::*;
-    match event {
-        SUBXACT_EVENT_ABORT_SUB => session::subxact_ended(mine, parent, false),
-        SUBXACT_EVENT_COMMIT_SUB => session::subxact_ended(mine, parent, true),
-        _ => {}
+    let committed = match event {
+        SUBXACT_EVENT_ABORT_SUB => false,
+        SUBXACT_EVENT_COMMIT_SUB => true,
+        _ => return,
+    };
+    session::subxact_ended(mine, parent, committed);
+    if DROPPED_IN.get() == Some(mine) {
+        DROPPED_IN.set(committed.then_some(parent));
     }
 }

@@ -50,6 +50,7 @@ pub extern "C-unwind" fn _PG_init() {
     gucs::init();
     gucs::reserve_prefix();
     shmem::init();
+    hooks::install_object_access();
     // pg_upgrade starts both servers in binary-upgrade mode: no database work then (pg_cron).
     if !binary_upgrade() {
         worker::register();

@@ -185,6 +185,20 @@ pub fn may_act_for(owner: u32) -> bool {
     }
 }
 
+/// This backend's database's name, for a message (call inside a transaction).
+pub fn database_name() -> String {
+    // SAFETY: a syscache lookup on pg_database; the palloc'd name is copied at once (NULL if
+    // the database was dropped meanwhile).
+    unsafe {
+        let p = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+        if p.is_null() {
+            format!("with oid {}", database())
+        } else {
+            CStr::from_ptr(p).to_string_lossy().into_owned()
+        }
+    }
+}
+
 /// A role's name, for a message (its oid if it was dropped).
 pub fn role_name(role: u32) -> String {
     // SAFETY: a syscache lookup; GetUserNameFromId with noerr returns NULL for a dropped role,
@@ -327,6 +341,11 @@ pub fn take_waiting() -> Option<(CapRef, Ticket)> {
 
 pub fn track(held: Held) {
     TRACKED.with_borrow_mut(|t| t.push(held));
+}
+
+/// How many session slots this backend holds through the extension.
+pub fn tracked_count() -> u32 {
+    TRACKED.with_borrow(|t| t.len() as u32)
 }
 
 /// Forgets `held`; true if it was tracked.

@@ -26,7 +26,8 @@ use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena;
 use stage_e_core::directory;
-use stage_e_core::state::CapRef;
+use stage_e_core::share;
+use stage_e_core::state::{CapRef, Refused};
 use std::sync::atomic::Ordering;
 
 /// Why a cap could not be created or grown.
@@ -40,6 +41,17 @@ pub enum CapError {
     KeyCollision { other: String, key: i32 },
     /// The cap stayed pinned too long to be grown (a backend died mid-call).
     Busy,
+    /// This database holds its share (`stage_e_slots.database_share`, `share` percent) of
+    /// `pool`: `limit` caps or slot-memory pages.
+    OverShare { pool: Pool, share: u32, limit: u64 },
+}
+
+/// A server-wide pool that databases share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    Caps,
+    SlotMemory,
+    Leases,
 }
 
 /// How long a create waits for a flush round to make idle caps reclaimable.
@@ -95,6 +107,7 @@ impl Segment {
         name: &str,
         key: i32,
         slots: u32,
+        share: u32,
         exists: &dyn Fn(u32) -> bool,
     ) -> Result<CapRef, CapError> {
         if let Some(i) = self.find(db, name) {
@@ -122,6 +135,7 @@ impl Segment {
             });
         }
         let order = arena::order_for(slots.max(1));
+        self.within_share(db, 1, 1 << order, 0, share)?;
         let mut entry = self.free_entry();
         let mut block = self.buddy().alloc(order);
         if entry.is_none() || block.is_none() {
@@ -176,6 +190,79 @@ impl Segment {
         }
         for w in bits {
             w.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Under the exclusive lock: caps and slot-memory pages database `db` holds.
+    fn held_by(&self, db: u32) -> (u64, u64) {
+        self.live()
+            .filter(|e| e.database() == db)
+            .fold((0, 0), |(caps, pages), e| {
+                (caps + 1, pages + self.pages_of(e))
+            })
+    }
+
+    fn pages_of(&self, e: &CapEntry) -> u64 {
+        1 << self.buddy().order_of(e.block().0)
+    }
+
+    /// Under the exclusive lock: whether database `db` may take `caps` more caps and `pages`
+    /// more pages of slot memory (giving back `freed` pages) within its share; if not, its own
+    /// idle caps go first, then it is refused.
+    fn within_share(
+        &self,
+        db: u32,
+        caps: u64,
+        pages: u64,
+        freed: u64,
+        share: u32,
+    ) -> Result<(), CapError> {
+        if share >= 100 {
+            return Ok(());
+        }
+        let over = |(held_caps, held_pages): (u64, u64)| {
+            let caps_limit = share::limit(self.max_caps() as u64, share);
+            let pages_limit = share::limit(self.pages() as u64, share);
+            if !share::fits(held_caps, caps, self.max_caps() as u64, share) {
+                Some(CapError::OverShare {
+                    pool: Pool::Caps,
+                    share,
+                    limit: caps_limit,
+                })
+            } else if !share::fits(
+                held_pages.saturating_sub(freed),
+                pages,
+                self.pages() as u64,
+                share,
+            ) {
+                Some(CapError::OverShare {
+                    pool: Pool::SlotMemory,
+                    share,
+                    limit: pages_limit,
+                })
+            } else {
+                None
+            }
+        };
+        if over(self.held_by(db)).is_none() {
+            return Ok(());
+        }
+        for i in 0..self.entries.len() as u32 {
+            let e = self.entry(i);
+            if e.database() == db
+                && e.idle()
+                && self.try_reclaim(i, false)
+                && over(self.held_by(db)).is_none()
+            {
+                return Ok(());
+            }
+        }
+        match over(self.held_by(db)) {
+            None => Ok(()),
+            Some(e) => {
+                request_flush(); // its caps with pending counts become idle once flushed
+                Err(e)
+            }
         }
     }
 
@@ -246,33 +333,45 @@ impl Segment {
         true
     }
 
-    /// Under the exclusive lock: moves the cap to a block of at least `slots` slots.
-    fn grow(&self, cap: CapRef, slots: u32) -> Result<(), CapError> {
+    /// Locks the entry of `cap` (no new pin starts) and waits, holding no LWLock, for its pins
+    /// to end; None if it was reclaimed or is locked by another process meanwhile (the caller
+    /// looks it up again). The caller moves it (`move_block`) and unlocks it.
+    fn lock_for_growing(&self, cap: CapRef) -> Result<Option<u64>, CapError> {
         let e = self.entry(cap.entry);
         let Some(before) = e.state.lock_at(cap.generation) else {
-            return Ok(()); // reclaimed meanwhile: the caller looks it up again
+            return Ok(None);
         };
-        let unlock = || e.state.unlock();
-        if e.capacity() >= slots {
-            unlock();
-            return Ok(());
-        }
-        // No new pin can start; wait (briefly) for the current ones to end.
         let mut waited = 0;
         while e
             .state
             .pinned(cap.entry, before, self.hazards.iter().map(|h| &h.0))
         {
             if waited > 20_000 {
-                unlock();
+                e.state.unlock();
                 return Err(CapError::Busy);
             }
             super::segment::nap(50);
             waited += 1;
         }
+        Ok(Some(before))
+    }
+
+    /// Under the exclusive lock, with the entry locked and unpinned: moves the cap to a block
+    /// of at least `slots` slots (its holders keep theirs), and unlocks the entry.
+    fn move_block(&self, cap: CapRef, slots: u32, share: u32) -> Result<(), CapError> {
+        let e = self.entry(cap.entry);
+        let result = self.move_locked(e, slots, share);
+        e.state.unlock();
+        result
+    }
+
+    fn move_locked(&self, e: &CapEntry, slots: u32, share: u32) -> Result<(), CapError> {
+        if e.capacity() >= slots {
+            return Ok(());
+        }
         let order = arena::order_for(slots);
+        self.within_share(e.database(), 0, 1 << order, self.pages_of(e), share)?;
         let Some(new) = self.buddy().alloc(order) else {
-            unlock();
             return Err(CapError::NoMemory { slots });
         };
         let (old_records, old_bits) = self.block(e);
@@ -288,7 +387,6 @@ impl Segment {
             to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
         }
         self.buddy().free(old_block);
-        unlock();
         Ok(())
     }
 }
@@ -302,10 +400,24 @@ fn now() -> i64 {
 /// keeps it from being reclaimed or grown meanwhile, so the pin is immediate).
 pub fn lookup(db: u32, name: &str) -> Option<Cap> {
     let seg = segment()?;
-    directory_locked(SHARED, || {
-        let i = seg.find(db, name)?;
-        seg.entry(i).pin(seg.cap_ref(i))
-    })
+    loop {
+        let found = directory_locked(SHARED, || {
+            let i = seg.find(db, name)?;
+            Some(seg.entry(i).try_pin(seg.cap_ref(i)))
+        });
+        match found? {
+            Ok(cap) => return Some(cap),
+            Err(Refused::Gone) => return None,
+            // Being grown: its grower may need the directory lock, so wait without it.
+            Err(Refused::Locked) => nap_between_tries(),
+        }
+    }
+}
+
+/// A short sleep between two tries at a cap's entry, answering cancels.
+fn nap_between_tries() {
+    super::segment::nap(200);
+    pgrx::check_for_interrupts!();
 }
 
 /// The cap `(db, name)` pinned, created (with room for `slots` slots) if it does not exist.
@@ -320,6 +432,7 @@ pub fn create(
         return Ok(None);
     };
     let key = cap_key(name);
+    let share = gucs::database_share();
     // Which full caps belong to dropped databases is a catalog lookup, made before taking the
     // lock (and only when the directory is full).
     let full = seg.live().count() as u32 >= seg.max_caps();
@@ -336,13 +449,17 @@ pub fn create(
     let started = std::time::Instant::now();
     loop {
         let made = directory_locked(EXCLUSIVE, || {
-            let cap = seg.create(db, name, key, slots, &|d| !gone.contains(&d))?;
-            Ok(seg.entry(cap.entry).pin(cap))
+            let cap = seg.create(db, name, key, slots, share, &|d| !gone.contains(&d))?;
+            Ok(seg.entry(cap.entry).try_pin(cap))
         });
         match made {
-            Err(CapError::NoEntry { .. } | CapError::NoMemory { .. })
-                if started.elapsed() < ROOM_WAIT =>
-            {
+            Ok(Ok(cap)) => return Ok(Some(cap)),
+            Ok(Err(Refused::Gone)) => return Ok(None),
+            // Being grown: its grower may need the directory lock, so wait without it.
+            Ok(Err(Refused::Locked)) => nap_between_tries(),
+            Err(
+                CapError::NoEntry { .. } | CapError::NoMemory { .. } | CapError::OverShare { .. },
+            ) if started.elapsed() < ROOM_WAIT => {
                 super::segment::nap(2_000);
                 pgrx::check_for_interrupts!();
             }
@@ -352,7 +469,7 @@ pub fn create(
                 super::segment::nap(1_000);
                 pgrx::check_for_interrupts!();
             }
-            other => return other,
+            Err(e) => return Err(e),
         }
     }
 }
@@ -363,7 +480,7 @@ pub(super) fn create_at_start(
     db: u32,
     name: &str,
 ) -> Result<&'static CapEntry, CapError> {
-    let cap = seg.create(db, name, cap_key(name), 1, &|_| true)?;
+    let cap = seg.create(db, name, cap_key(name), 1, 100, &|_| true)?;
     Ok(seg.entry(cap.entry))
 }
 
@@ -375,20 +492,42 @@ pub(super) fn restore_at_start(
     name: &str,
     slots: u32,
 ) -> Result<Cap, CapError> {
-    let cap = seg.create(db, name, cap_key(name), slots.max(1), &|_| true)?;
-    seg.grow(cap, slots)?;
+    let cap = seg.create(db, name, cap_key(name), slots.max(1), 100, &|_| true)?;
+    if seg.lock_for_growing(cap)?.is_some() {
+        seg.move_block(cap, slots, 100)?;
+    }
     seg.entry(cap.entry).pin_counted(cap).ok_or(CapError::Busy)
 }
 
 /// Moves `cap` to a block with room for `slots` slots (its holders keep theirs).
 pub fn grow(cap: CapRef, slots: u32) -> Result<(), CapError> {
     let Some(seg) = segment() else { return Ok(()) };
-    directory_locked(EXCLUSIVE, || seg.grow(cap, slots))
+    let share = gucs::database_share();
+    // The wait for pins holds no LWLock: a flush pinning this cap must not stall every other
+    // database's lookups behind the directory lock.
+    if seg.lock_for_growing(cap)?.is_none() {
+        return Ok(()); // reclaimed or being grown meanwhile: the caller looks it up again
+    }
+    directory_locked(EXCLUSIVE, || seg.move_block(cap, slots, share))
 }
 
 /// Reclaims every cap of database `db`, which no longer exists (the launcher's round).
 pub fn reclaim_database(db: u32) {
     let Some(seg) = segment() else { return };
+    // Its leases go first: nobody can renew or release them (their database is gone), and a
+    // live lease keeps its slot's bit set, which would keep the cap, and the lease records and
+    // slot memory every other database shares, taken until each lease's ttl passed.
+    for cap in caps(Some(db)) {
+        let ended = cap.expire_leases(i64::MAX);
+        if !ended.is_empty() {
+            pgrx::log!(
+                "stage_e_slots: freed {} lease{} of cap \"{}\" of dropped database {db}",
+                ended.len(),
+                if ended.len() == 1 { "" } else { "s" },
+                cap.name(),
+            );
+        }
+    }
     directory_locked(EXCLUSIVE, || {
         for i in 0..seg.entries.len() as u32 {
             if seg.entry(i).database() == db {

@@ -74,7 +74,8 @@ pub(super) struct DbRecord {
     /// Flusher transactions of this database that committed (the launcher tells a failed
     /// flusher by this not moving).
     commits: AtomicU32,
-    _pad: u32,
+    /// Live leases of this database's caps (its share of `stage_e_slots.max_leases`).
+    leases: AtomicU32,
 }
 
 /// The header's lifecycle fields.
@@ -290,6 +291,14 @@ impl Cap {
         d.journal_at.store(now, Ordering::Relaxed);
     }
 
+    /// The extension was dropped from the cap's database: the rows that held its horizon and
+    /// floor are gone, so no grant may rely on them (the next one waits for a new row).
+    pub fn forget_horizon(&self) {
+        let d = &self.entry().durable;
+        d.horizon.store(0, Ordering::SeqCst);
+        d.floor.store(0, Ordering::SeqCst);
+    }
+
     /// The loader: the cap's committed row says its tokens reached at most `floor` and its
     /// horizon is `horizon`; later writes keep both.
     pub fn load_row(&self, floor: u64, horizon: i64) {
@@ -369,6 +378,30 @@ fn record(db: u32, claim: bool) -> Option<&'static DbRecord> {
         }
     }
     None
+}
+
+/// Counts a lease of database `db` taken, if the database holds fewer than `limit` (None: no
+/// limit, for leases put back at start); false when it holds its share.
+pub(super) fn take_lease_share(db: u32, limit: Option<u64>) -> bool {
+    let Some(r) = record(db, true) else {
+        return limit.is_none(); // no room to count: only a restore goes on
+    };
+    let before = r.leases.fetch_add(1, Ordering::AcqRel);
+    if limit.is_some_and(|l| before as u64 >= l) {
+        r.leases.fetch_sub(1, Ordering::AcqRel);
+        return false;
+    }
+    true
+}
+
+/// A lease of database `db` ended (or was never recorded after `take_lease_share`).
+pub(super) fn give_lease_share(db: u32) {
+    if let Some(r) = record(db, false) {
+        // Saturating: a record claimed after the lease was counted starts at 0.
+        let _ = r
+            .leases
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
 }
 
 /// Whether database `db` has been loaded: Some(has the durable table) once it is.
@@ -502,6 +535,7 @@ pub fn durable_watch() -> bool {
 pub(super) fn forget_database(db: u32) {
     if let Some(r) = record(db, false) {
         r.state.store(UNLOADED, Ordering::Relaxed);
+        r.leases.store(0, Ordering::Relaxed);
         r.oid.store(0, Ordering::Release);
     }
 }

@@ -25,6 +25,7 @@
 //! own token (`restore_lease`): at start from the lease file of a clean shutdown, by the loader
 //! from the journal after a crash or a promotion. Its record names pid 0 (no live backend).
 
+use super::durable;
 use super::entry::CapEntry;
 use super::pin::pin;
 use super::segment::segment;
@@ -78,6 +79,15 @@ pub struct LeaseInfo {
 struct Taker {
     pid: i32,
     owner: u32,
+}
+
+/// Why a lease could not be recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseRefused {
+    /// Every lease record is live.
+    NoRecord,
+    /// The cap's database holds its share of the lease records.
+    OverShare,
 }
 
 /// What a lease operation found (the lease as it was), for its caller to count and report.
@@ -148,8 +158,8 @@ impl Cap {
         self.lease_count() > 0 && self.entry().counters.lease_due.load(Ordering::Acquire) <= now
     }
 
-    /// Records a lease of role `owner` on `slot`, whose bit the caller has claimed; false when
-    /// every lease record is in use.
+    /// Records a lease of role `owner` on `slot`, whose bit the caller has claimed, if this
+    /// cap's database holds fewer than `share_limit` live leases.
     pub fn start_lease(
         &self,
         slot: u32,
@@ -157,10 +167,19 @@ impl Cap {
         now: i64,
         expires_at: i64,
         owner: u32,
-    ) -> bool {
+        share_limit: u64,
+    ) -> Result<(), LeaseRefused> {
+        let db = self.database();
+        if !durable::take_lease_share(db, Some(share_limit)) {
+            return Err(LeaseRefused::OverShare);
+        }
         // SAFETY: this process's pid, set at start.
         let pid = unsafe { pg_sys::MyProcPid };
-        self.record_lease(Taker { pid, owner }, slot, token, now, expires_at)
+        if !self.record_lease(Taker { pid, owner }, slot, token, now, expires_at) {
+            durable::give_lease_share(db);
+            return Err(LeaseRefused::NoRecord);
+        }
+        Ok(())
     }
 
     /// Puts back a lease an earlier server granted (from the lease file, or the journal after a
@@ -180,6 +199,7 @@ impl Cap {
         let Some(claim) = occupancy::claim_first_free(self.bits(), slot, slot + 1) else {
             return false;
         };
+        durable::take_lease_share(self.database(), None);
         if !self.record_lease(
             Taker { pid: 0, owner },
             slot,
@@ -187,6 +207,7 @@ impl Cap {
             acquired_at,
             expires_at,
         ) {
+            durable::give_lease_share(self.database());
             return false; // dropping the claim clears the bit
         }
         claim.keep();
@@ -253,6 +274,7 @@ impl Cap {
         self.record(info.slot).clear();
         occupancy::clear(self.bits(), info.slot);
         self.entry().counters.leases.fetch_sub(1, Ordering::AcqRel);
+        durable::give_lease_share(self.database());
         r.state.free();
         self.note_lease_change();
         self.wake_front();

@@ -31,7 +31,7 @@ mod waitq;
 
 pub use caps::{
     busy_caps, cap_key, cap_refs, caps, create, databases, databases_with_pending, grow, lookup,
-    reclaim_database, usage, CapError,
+    reclaim_database, usage, CapError, Pool,
 };
 #[cfg(any(test, feature = "pg_test"))]
 pub use caps::{pin_state, reclaim_now};
@@ -43,7 +43,7 @@ pub use durable::{
     request_load, start_kind, MAX_DATABASES,
 };
 pub use launcher::{launcher_wakeup, next_flush_id};
-pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo};
+pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo, LeaseRefused};
 pub use load::{load_of, sample_load, Load};
 pub use pin::pin;
 pub use segment::{attached, init};

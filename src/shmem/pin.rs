@@ -13,7 +13,7 @@ use super::segment::{self, segment};
 use super::Cap;
 use crate::session::BackendLocal;
 use pgrx::pg_sys;
-use stage_e_core::state::CapRef;
+use stage_e_core::state::{CapRef, Refused};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -72,6 +72,22 @@ impl CapEntry {
     pub(super) fn pin_counted(&'static self, cap: CapRef) -> Option<Cap> {
         let pin = self.state.pin_counted(cap.generation, nap)?;
         Some(Cap {
+            entry: self,
+            at: cap,
+            _pin: pin,
+        })
+    }
+}
+
+impl CapEntry {
+    /// Pins the entry if it holds `cap` and is not LOCKED, without waiting: for a caller
+    /// holding the directory lock, which a grower of the LOCKED entry may need.
+    pub(super) fn try_pin(&'static self, cap: CapRef) -> Result<Cap, Refused> {
+        let pin = match my_hazard().filter(|h| h.load(Ordering::Relaxed) == 0) {
+            Some(hazard) => self.state.try_pin_hazard(hazard, cap)?,
+            None => self.state.try_pin_counted(cap.generation)?,
+        };
+        Ok(Cap {
             entry: self,
             at: cap,
             _pin: pin,

@@ -23,6 +23,7 @@ use crate::shmem::{self, Cap, CapError, Counter};
 use stage_e_core::counters::CounterValues;
 use stage_e_core::directory::{self, NameError, DEFAULT_CAP};
 use stage_e_core::occupancy;
+use stage_e_core::share;
 use stage_e_core::wait::Wait;
 use std::collections::HashMap;
 
@@ -49,6 +50,13 @@ pub enum SlotError {
     TtlTooLong {
         ttl_us: i64,
         max_us: i64,
+    },
+    /// This session holds `held` session slots, and `k` more would pass
+    /// `stage_e_slots.max_session_slots` (`max`).
+    TooManySessionSlots {
+        held: u32,
+        k: u32,
+        max: u32,
     },
     /// Every lease record is in use.
     NoLeaseRecord {
@@ -367,6 +375,12 @@ fn acquire(
     let name = check_name(cap)?;
     let n = check_cap(n)?;
     let k = check_count(k, n)?;
+    if kind == Kind::Session {
+        let (held, max) = (session::tracked_count(), gucs::max_session_slots());
+        if held.saturating_add(k) > max {
+            return Err(SlotError::TooManySessionSlots { held, k, max });
+        }
+    }
     let cap = for_acquire(name, n)?;
     cap.note_n(n);
     let mut wait = wait;
@@ -486,10 +500,33 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
                         // Dropping `claim` on an error clears the bit.
                         let _granting = cap.begin_grant();
                         durable::check_room(cap, expires_at, token)?;
-                        if !cap.start_lease(slot, token, now, expires_at, session::user_id()) {
-                            return Err(SlotError::NoLeaseRecord {
-                                max_leases: gucs::max_leases(),
-                            }); // dropping `claim` clears the bit
+                        let share = gucs::database_share();
+                        let limit = share::limit(gucs::max_leases() as u64, share);
+                        // On an error, dropping `claim` clears the bit.
+                        match cap.start_lease(
+                            slot,
+                            token,
+                            now,
+                            expires_at,
+                            session::user_id(),
+                            limit,
+                        ) {
+                            Ok(()) => {}
+                            Err(shmem::LeaseRefused::NoRecord) => {
+                                return Err(SlotError::NoLeaseRecord {
+                                    max_leases: gucs::max_leases(),
+                                })
+                            }
+                            Err(shmem::LeaseRefused::OverShare) => {
+                                return Err(SlotError::named(
+                                    cap.name(),
+                                    NamedError::Cap(CapError::OverShare {
+                                        pool: shmem::Pool::Leases,
+                                        share,
+                                        limit,
+                                    }),
+                                ))
+                            }
                         }
                     }
                 }
@@ -563,6 +600,28 @@ pub fn expire_leases_everywhere() -> usize {
         }
     }
     freed
+}
+
+/// `DROP EXTENSION stage_e_slots` committed in this database: its caps end. Leases are freed
+/// (their functions are gone, so nobody could renew or release them), pending counts are
+/// dropped (their table is gone), and each cap's committed horizon is forgotten, so that a
+/// re-created extension's first lease waits for a row in its own, new table. Session slots stay
+/// with their sessions: they are the lock manager's locks, which a re-created extension sees
+/// as taken until their sessions release them or end.
+pub fn end_database() {
+    let mut leases = 0;
+    for cap in shmem::caps(Some(session::database())) {
+        leases += cap.expire_leases(i64::MAX).len();
+        cap.forget_horizon();
+    }
+    let pending = crate::flush::discard_pending();
+    if leases + pending > 0 {
+        pgrx::log!(
+            "stage_e_slots: the extension was dropped from database {}: freed {leases} \
+             lease(s) and dropped the pending counters of {pending} cap(s)",
+            session::database()
+        );
+    }
 }
 
 /// What to do with a lease, if the token is its current one.

@@ -123,7 +123,6 @@ impl<'a> Buddy<'a> {
     }
 
     /// The order of the allocated block starting at `block`.
-    #[cfg(test)]
     pub fn order_of(&self, block: u32) -> u32 {
         self.tags[block as usize].load(Relaxed) & !FREE
     }

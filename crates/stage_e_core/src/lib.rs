@@ -15,6 +15,7 @@
 //! - `lease`: a lease record's states and fencing-token arithmetic;
 //! - `lifecycle`: the durable horizon and token floor, start kinds, the lease file;
 //! - `load`: exponentially weighted load averages;
+//! - `share`: how much of a server-wide pool one database may hold;
 //! - `wait`: how long a call may wait, from an interval;
 //! - `version`: the SQL schema versions the library serves.
 
@@ -30,6 +31,7 @@ pub mod lease;
 pub mod lifecycle;
 pub mod load;
 pub mod occupancy;
+pub mod share;
 pub mod state;
 pub mod version;
 pub mod wait;

@@ -81,6 +81,15 @@ fn backoff(spins: &mut u32, nap: &mut impl FnMut()) {
     std::hint::spin_loop();
 }
 
+/// Why a pin was not had.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The entry has another generation: the cap was reclaimed.
+    Gone,
+    /// The entry is LOCKED (being grown or reclaimed) for now.
+    Locked,
+}
+
 /// An entry's state word (zeroed memory: generation 0, unlocked, unpinned).
 #[repr(transparent)]
 #[derive(Default)]
@@ -108,42 +117,66 @@ impl State {
         cap: CapRef,
         mut nap: impl FnMut(),
     ) -> Option<Pin<'a>> {
-        let mine = hazard_value(cap);
         let mut spins = 0;
         loop {
-            // Publish, then look (SeqCst both): see the module note.
-            hazard.store(mine, Ordering::SeqCst);
-            let s = self.0.load(Ordering::SeqCst);
-            if generation(s) != cap.generation {
-                unpin_hazard(hazard);
-                return None;
+            match self.try_pin_hazard(hazard, cap) {
+                Ok(pin) => return Some(pin),
+                Err(Refused::Gone) => return None,
+                Err(Refused::Locked) => backoff(&mut spins, &mut nap),
             }
-            if s & LOCKED == 0 {
-                return Some(Pin(Pinned::Hazard(hazard)));
-            }
-            unpin_hazard(hazard);
-            backoff(&mut spins, &mut nap);
         }
+    }
+
+    /// One attempt at [`State::pin_hazard`], without waiting while the entry is LOCKED: for a
+    /// caller that holds a lock the LOCKED entry's owner may need (it lets go, then retries).
+    #[inline]
+    pub fn try_pin_hazard<'a>(
+        &'a self,
+        hazard: &'a AtomicU64,
+        cap: CapRef,
+    ) -> Result<Pin<'a>, Refused> {
+        // Publish, then look (SeqCst both): see the module note.
+        hazard.store(hazard_value(cap), Ordering::SeqCst);
+        let s = self.0.load(Ordering::SeqCst);
+        if generation(s) != cap.generation {
+            unpin_hazard(hazard);
+            return Err(Refused::Gone);
+        }
+        if s & LOCKED != 0 {
+            unpin_hazard(hazard);
+            return Err(Refused::Locked);
+        }
+        Ok(Pin(Pinned::Hazard(hazard)))
     }
 
     /// Pins the entry at `generation` by counting in the word; None if it has another.
     pub fn pin_counted(&self, generation_: u32, mut nap: impl FnMut()) -> Option<Pin<'_>> {
         let mut spins = 0;
         loop {
+            match self.try_pin_counted(generation_) {
+                Ok(pin) => return Some(pin),
+                Err(Refused::Gone) => return None,
+                Err(Refused::Locked) => backoff(&mut spins, &mut nap),
+            }
+        }
+    }
+
+    /// One attempt at [`State::pin_counted`], without waiting while the entry is LOCKED.
+    pub fn try_pin_counted(&self, generation_: u32) -> Result<Pin<'_>, Refused> {
+        loop {
             let s = self.0.load(Ordering::Acquire);
             if generation(s) != generation_ {
-                return None;
+                return Err(Refused::Gone);
             }
             if s & LOCKED != 0 {
-                backoff(&mut spins, &mut nap);
-                continue;
+                return Err(Refused::Locked);
             }
             if self
                 .0
                 .compare_exchange_weak(s, s + 1, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
             {
-                return Some(Pin(Pinned::Counted(self)));
+                return Ok(Pin(Pinned::Counted(self)));
             }
         }
     }
@@ -223,6 +256,42 @@ mod unit {
     use super::*;
     use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize};
     use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn a_try_pin_never_waits_on_a_locked_entry() {
+        let state = State::default();
+        let hazard = AtomicU64::new(0);
+        let cap = state.cap_ref(3);
+        let before = state.lock_at(cap.generation).expect("unlocked");
+        assert_eq!(
+            state.try_pin_hazard(&hazard, cap).err(),
+            Some(Refused::Locked)
+        );
+        assert_eq!(
+            hazard.load(Ordering::SeqCst),
+            0,
+            "the hazard slot is left empty"
+        );
+        assert_eq!(
+            state.try_pin_counted(cap.generation).err(),
+            Some(Refused::Locked)
+        );
+        assert_eq!(state.load() & PINS, 0);
+        state.retire(before);
+        assert_eq!(
+            state.try_pin_hazard(&hazard, cap).err(),
+            Some(Refused::Gone)
+        );
+        assert_eq!(
+            state.try_pin_counted(cap.generation).err(),
+            Some(Refused::Gone)
+        );
+        let next = state.cap_ref(3);
+        assert!(state.try_pin_hazard(&hazard, next).is_ok());
+        assert_eq!(hazard.load(Ordering::SeqCst), 0, "unpinned on drop");
+        assert!(state.try_pin_counted(next.generation).is_ok());
+        assert_eq!(state.load() & PINS, 0);
+    }
 
     #[test]
     fn hazard_values_are_never_empty_and_tell_generations_apart() {
