@@ -190,22 +190,27 @@ pub fn pending(row_flush_id: Option<i64>) -> Vec<(String, CounterValues)> {
     out
 }
 
-/// Drops the current database's pending counts (its extension is gone: the table with it).
-/// Returns how many caps had some.
-pub fn discard_pending() -> usize {
+/// Drops the pending counts of database `db`'s caps (its extension is gone, and the table with
+/// it; or its flush kept failing: the launcher's give-up). A cap another process is flushing is
+/// left to that flush. Returns how many caps had some, and their sum.
+pub fn discard_pending(db: u32) -> (usize, CounterValues) {
     let me = session::pid();
     let mut dropped = 0;
-    for r in shmem::cap_refs(session::database()) {
+    let mut sum = CounterValues::default();
+    for r in shmem::cap_refs(db) {
         let Some(role) = shmem::pin(r).and_then(|cap| cap.begin_flush(me)) else {
             continue;
         };
         let read = role.flush_state();
-        if !read.pending(None).is_zero() {
+        let pending = read.pending(None);
+        if !pending.is_zero() {
             dropped += 1;
+            sum = sum.plus(pending);
         }
+        // As a committed flush of what was read: later counts stay pending.
         role.commit(&read);
     }
-    dropped
+    (dropped, sum)
 }
 
 /// At most this many counter rows are deleted per database and round by the retention rule.

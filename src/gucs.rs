@@ -23,6 +23,8 @@ pub const MAX_RECOVERY_HOLD_MS: i32 = 86_400_000;
 pub const DEFAULT_MAX_LEASE_TTL_S: i32 = 86_400;
 /// One session may hold as many slots as one full cap of the default `max_slots`.
 pub const DEFAULT_MAX_SESSION_SLOTS: i32 = 1024;
+pub const DEFAULT_FLUSH_GIVE_UP_MS: i32 = 300_000;
+pub const MAX_FLUSH_GIVE_UP_MS: i32 = 86_400_000;
 
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
@@ -37,6 +39,7 @@ static MAX_LEASE_TTL_S: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_LEA
 static COUNTER_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(0);
 static DATABASE_SHARE: GucSetting<i32> = GucSetting::<i32>::new(100);
 static MAX_SESSION_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SESSION_SLOTS);
+static FLUSH_GIVE_UP_MS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_FLUSH_GIVE_UP_MS);
 
 pub fn init() {
     GucRegistry::define_int_guc(
@@ -174,6 +177,19 @@ pub fn init() {
         GucContext::Suset,
         GucFlags::empty(),
     );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.flush_give_up",
+        c"Drop the pending counts of a database whose flush has failed for this long.",
+        c"After this time and at least 3 rounds in a row in which the background flusher could \
+          not write a database's counts (a table renamed, a trigger that raises, anything), \
+          they are dropped, with a LOG line saying how many: until then its caps cannot be \
+          reclaimed, and would keep stage_e_slots.max_caps full for every database.",
+        &FLUSH_GIVE_UP_MS,
+        0,
+        MAX_FLUSH_GIVE_UP_MS,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
 }
 
 /// A postmaster-context setting, read without `GucSetting::get`'s thread check (a thread-local
@@ -212,6 +228,11 @@ pub fn counter_retention() -> Option<std::time::Duration> {
         s if s > 0 => Some(std::time::Duration::from_secs(s as u64)),
         _ => None,
     }
+}
+
+/// `stage_e_slots.flush_give_up`.
+pub fn flush_give_up() -> std::time::Duration {
+    std::time::Duration::from_millis(FLUSH_GIVE_UP_MS.get().max(0) as u64)
 }
 
 pub fn flush_interval() -> std::time::Duration {

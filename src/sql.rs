@@ -69,18 +69,88 @@ pub fn write_returning<R>(
     pinned(|| Spi::connect_mut(|c| f(c.update(query, None, args)?)))
 }
 
-/// `SET LOCAL name = value` for the rest of this transaction, without SQL.
-pub fn set_local(name: &CStr, value: &CStr) {
-    // SAFETY: as SET LOCAL does: the value is undone at transaction end.
+/// A flusher waits at most this long for a lock (on the counter rows, the horizon rows) before
+/// giving up until the next round, so that a locked table cannot stall the other databases.
+pub const WORKER_LOCK_TIMEOUT: &CStr = c"1s";
+
+/// The settings the launcher and every flusher pin for themselves, over whatever a database
+/// owner (`ALTER DATABASE … SET`), a role (`ALTER ROLE … [IN DATABASE …] SET`, the workers'
+/// role being the bootstrap superuser) or `ALTER ROLE ALL` set: each of these could make the
+/// flush fail, wait, or write differently. Set at session level ([`pin_worker_settings`]).
+const WORKER_SETTINGS: &[(&CStr, &CStr)] = &[
+    // `SET role` in a database's settings makes every session of it, ours too, run as that
+    // role (the owner's own): without rights on the extension's tables, the flush fails.
+    (c"role", c"none"),
+    // A read-only default fails every write; the transaction's own setting follows the
+    // default at each transaction start.
+    (c"default_transaction_read_only", c"off"),
+    // The upserts add to the rows as they are when written: under repeatable read or
+    // serializable, a row another transaction changed meanwhile (an ALTER, a reset, a
+    // superuser's UPDATE) fails the flush with a serialization error instead.
+    (c"default_transaction_isolation", c"read committed"),
+    // No effect once read-write; pinned so that no transaction of ours waits for a safe
+    // snapshot.
+    (c"default_transaction_deferrable", c"off"),
+    // Not armed for SPI in a background worker (postgres.c arms it per client statement), and
+    // pinned so that it stays so: our waits are bounded by lock_timeout alone.
+    (c"statement_timeout", c"0"),
+    // Long enough not to fail at a moment's contention (a database's 1 ms would), short
+    // enough that a table locked for long does not stall the other databases' flushes.
+    (c"lock_timeout", WORKER_LOCK_TIMEOUT),
+    // Enforced only in a client backend's command loop; pinned so that a flusher never ends
+    // mid-transaction should that change.
+    (c"idle_in_transaction_session_timeout", c"0"),
+    (c"idle_session_timeout", c"0"),
+    // `replica` skips ordinary triggers and rules (and foreign-key checks): an audit or
+    // replication trigger a DBA put on the counter or horizon table would not see our writes.
+    (c"session_replication_role", c"origin"),
+    // Off makes any query a policy would affect fail; the workers' role bypasses policies,
+    // but it is what a table with row security is written under.
+    (c"row_security", c"on"),
+    // A horizon is relied upon once published, so its commit must be durable (and a counter
+    // flush as durable as the counts it replaces).
+    (c"synchronous_commit", c"on"),
+    // Temporary files (a hash over thousands of caps) go to the default place, not to a
+    // tablespace the database's settings name.
+    (c"temp_tablespaces", c""),
+    // Not pinned: search_path (pinned around each statement, `pinned`); DateStyle,
+    // IntervalStyle, TimeZone, extra_float_digits, bytea_output (every value crosses as a
+    // binary datum: int8, interval, timestamptz, arrays of them; a journal as jsonb text, whose
+    // form none of them changes); default_tablespace, default_table_access_method (nothing is
+    // created); exit_on_error (an ERROR ends a worker anyway).
+];
+
+/// Pins [`WORKER_SETTINGS`] (and `transaction_timeout`, from PostgreSQL 17 on) for the rest of
+/// this worker's life. Called once, right after connecting: session-level values rank above
+/// the per-database and per-role ones InitPostgres applied (`PGC_S_SESSION` over
+/// `PGC_S_DATABASE_USER` and below), so no later reload undoes them, and every transaction
+/// starts from the pinned defaults (`transaction_read_only`, `transaction_isolation` and
+/// `transaction_deferrable` are taken from them at transaction start). One place, rather than
+/// `SET LOCAL` in each transaction, so that no transaction can be started without them.
+pub fn pin_worker_settings() {
+    for (name, value) in WORKER_SETTINGS {
+        set_session(name, value);
+    }
+    // PostgreSQL 17's transaction_timeout ends the process (FATAL) in any transaction that
+    // lasts longer, a flusher waiting for a lock included.
+    #[cfg(feature = "pg18")]
+    set_session(c"transaction_timeout", c"0");
+}
+
+/// `SET name = value` for the session, as a superuser, without SQL; an ERROR if refused.
+fn set_session(name: &CStr, value: &CStr) {
+    // SAFETY: as SET does (GUC_ACTION_SET, source session); the workers run as the bootstrap
+    // superuser, so PGC_SUSET admits every setting above. Each check hook used here works
+    // outside a transaction ("none" for role needs no catalog lookup).
     unsafe {
         pg_sys::set_config_option(
             name.as_ptr(),
             value.as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucContext::PGC_SUSET,
             pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_LOCAL,
+            pg_sys::GucAction::GUC_ACTION_SET,
             true,
-            0,
+            pg_sys::PGERROR as i32,
             false,
         );
     }
@@ -127,6 +197,15 @@ pub fn current_database() -> String {
     // SAFETY: a syscache lookup of our own database inside a transaction; the palloc'd copy is
     // read at once.
     unsafe { owned(pg_sys::get_database_name(pg_sys::MyDatabaseId)) }
+}
+
+/// The name of database `db`, None if it does not exist; inside a transaction (a shared
+/// catalog: the launcher, connected to none, may look).
+pub fn database_name(db: u32) -> Option<String> {
+    // SAFETY: a syscache lookup on pg_database; the palloc'd copy is read at once.
+    let p = unsafe { pg_sys::get_database_name(pg_sys::Oid::from(db)) };
+    // SAFETY: NULL or a valid C string.
+    (!p.is_null()).then(|| unsafe { owned(p) })
 }
 
 /// `current_user`, without SQL.

@@ -8,7 +8,12 @@
 //! So the extension uses at most two of `max_worker_processes` at once.
 //!
 //! A flusher that fails (table locked past its lock_timeout, dropped, anything) ends with the
-//! ERROR in the log; its delta stays pending and the launcher tries again next interval.
+//! ERROR in the log; its delta stays pending and the launcher tries again next interval. A
+//! database whose counts fail to flush round after round for `stage_e_slots.flush_give_up` has
+//! them dropped, with a LOG line ([`Failing`]): they would keep its caps from being reclaimed.
+//! Nothing a database owner or a role sets for the database makes a flusher fail or write
+//! differently: each worker pins its settings (`sql::pin_worker_settings`), and a database
+//! closed to new connections is flushed all the same (`BGWORKER_BYPASS_ALLOWCONN`).
 //!
 //! Flushers also keep the durable lease state (`durable`, `docs/lifecycle.md`): a flusher loads
 //! its database after a start, and writes the lease horizons, token floors and journals that
@@ -27,9 +32,6 @@ use pgrx::prelude::*;
 use std::time::{Duration, Instant};
 
 const LIBRARY: &str = "stage_e_slots";
-/// A flusher waits at most this long for a lock on the counter row before giving up until
-/// the next interval, so a locked table cannot stall the other databases' flushes.
-const FLUSH_LOCK_TIMEOUT: &std::ffi::CStr = c"1s";
 /// How often the launcher samples the caps' load (held slots, throttles) at most.
 const LOAD_SAMPLE: Duration = Duration::from_secs(5);
 /// With `stage_e_slots.counter_retention` on, each database is swept (its old counter rows
@@ -53,6 +55,8 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     // No database: the launcher reads shared memory and pg_database (a shared catalog) only.
     BackgroundWorker::connect_worker_to_spi(None, None);
+    // Its transactions read only, but a role's timeouts (transaction_timeout) apply here too.
+    sql::pin_worker_settings();
     log!(
         "stage_e_slots launcher started: flushing counters every {} ms",
         gucs::flush_interval().as_millis()
@@ -62,6 +66,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     let mut last_sweep: Option<Instant> = None;
     let mut first = true;
     let mut backoff = Backoff::default();
+    let mut failing = Failing::default();
     shmem::launcher_wakeup(true);
     shmem::note_recovered(session::now());
     if shmem::start_kind().holds() {
@@ -125,7 +130,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         if sweep {
             last_sweep = Some(now);
         }
-        let failed = flush_round(counters, sweep, ready.clone());
+        let failed = flush_round(counters, sweep, ready.clone(), &mut failing);
         backoff.after_round(&ready, &failed, Instant::now());
     }
     // Counts still pending now are saved by the postmaster at shutdown (see shmem).
@@ -171,6 +176,77 @@ impl Backoff {
     }
 }
 
+/// At least this many rounds in a row must have failed to write a database's counts before
+/// they are dropped (`stage_e_slots.flush_give_up` says for how long): a single slow round, at
+/// an interval of an hour, is not a failing database.
+const GIVE_UP_ROUNDS: u32 = 3;
+
+/// Per database whose counts could not be flushed in the last rounds: how many rounds in a
+/// row, and when the first of them failed.
+///
+/// Counts a database cannot write keep its caps from being idle, so from being reclaimed:
+/// unbounded, they would fill `stage_e_slots.max_caps` for every database. So after
+/// [`GIVE_UP_ROUNDS`] and `stage_e_slots.flush_give_up` of failures they are dropped, with a LOG
+/// line; its caps are then reclaimable as any idle cap. The counts are statistics (a cap's
+/// enforcement is its locks), and each failed round's ERROR is in the log. Kept in the
+/// launcher's memory only: a new launcher (or a restart, which restores the counts from the
+/// pending file) starts the count again, so such counts are retried for at least that long
+/// once more, then dropped by the same rule.
+#[derive(Default)]
+struct Failing(std::collections::HashMap<u32, (u32, Instant)>);
+
+impl Failing {
+    /// After a counters round that tried `tried` (the databases with pending counts) and
+    /// failed in `failed`: drops the counts of those failing for too long.
+    fn after_round(&mut self, tried: &[u32], failed: &[u32], now: Instant) {
+        // A database with nothing pending now is failing nothing.
+        self.0.retain(|db, _| tried.contains(db));
+        for &db in tried {
+            if !failed.contains(&db) {
+                self.0.remove(&db);
+                continue;
+            }
+            let (rounds, since) = self.0.entry(db).or_insert((0, now));
+            *rounds += 1;
+            let (rounds, since) = (*rounds, *since);
+            let give_up = gucs::flush_give_up();
+            if rounds >= GIVE_UP_ROUNDS && now.duration_since(since) >= give_up {
+                self.0.remove(&db);
+                give_up_on(db, rounds, now.duration_since(since), give_up);
+            }
+        }
+    }
+}
+
+/// Drops the pending counts of database `db`, whose flush failed `rounds` times in a row over
+/// `failing`, with one LOG line.
+fn give_up_on(db: u32, rounds: u32, failing: Duration, give_up: Duration) {
+    let (caps, dropped) = flush::discard_pending(db);
+    if caps == 0 {
+        return;
+    }
+    let name = BackgroundWorker::transaction(|| sql::database_name(db))
+        .map_or_else(|| format!("with oid {db}"), |n| format!("\"{n}\""));
+    // Times (wait_time, hold_time) are not counts.
+    let counts: u64 = dropped
+        .to_array()
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| !stage_e_core::counters::CounterValues::is_time(i))
+        .map(|(_, v)| *v)
+        .sum();
+    log!(
+        "stage_e_slots: dropped {counts} pending count(s) ({} acquired, {} throttled) of {caps} \
+         cap(s) of database {name}, because its flush has failed in each of the last {rounds} \
+         rounds, for {} s (stage_e_slots.flush_give_up is {} s; each round's ERROR is in the \
+         log): counts that cannot be written would keep its caps from ever being reclaimed",
+        dropped.acquired,
+        dropped.throttled,
+        failing.as_secs(),
+        give_up.as_secs_f64(),
+    );
+}
+
 /// Databases to load, or with a horizon, floor or journal due.
 fn durable_work() -> Vec<u32> {
     let mut dbs = shmem::databases_to_load();
@@ -186,8 +262,9 @@ fn durable_work() -> Vec<u32> {
 /// One flusher per database with work, one after another: the durable lease state of `durable`
 /// databases, with `counters` the pending counts of every database that has some, and with
 /// `sweep` the retention rule in every database with caps or loaded since the start. Returns
-/// the databases whose flusher did not commit.
-fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>) -> Vec<u32> {
+/// the databases whose flusher did not commit; `failing` learns whose counts could not be
+/// written.
+fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>, failing: &mut Failing) -> Vec<u32> {
     if counters {
         reclaim_dropped();
     }
@@ -214,12 +291,21 @@ fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>) -> Vec<u32> {
     }
     let mut served: Vec<u32> = Vec::new();
     let mut failed: Vec<u32> = Vec::new();
+    // The databases whose counts this round tried to write, and those it could not.
+    let (mut counted, mut uncounted) = (Vec::new(), Vec::new());
     for (db, work) in dbs {
         if served.contains(&db) && work == 0 {
             continue;
         }
-        if !run_flusher(db, work) {
+        let committed = run_flusher(db, work);
+        if !committed {
             failed.push(db);
+        }
+        if work & COUNTERS_BIT != 0 {
+            counted.push(db);
+            if !committed {
+                uncounted.push(db);
+            }
         }
         // A lease (or a first call after a start) waits on a flusher: serve it before the
         // next database's counters, however many there are.
@@ -231,6 +317,9 @@ fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>) -> Vec<u32> {
                 served.push(waiting);
             }
         }
+    }
+    if counters {
+        failing.after_round(&counted, &uncounted, Instant::now());
     }
     failed
 }
@@ -285,14 +374,23 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
     let counters = arg.value() as u64 & COUNTERS_BIT != 0;
     let sweep = arg.value() as u64 & SWEEP_BIT != 0;
     let db = pg_sys::Oid::from(arg.value() as u32);
-    BackgroundWorker::connect_worker_to_spi_by_oid(Some(db), None);
+    // BGWORKER_BYPASS_ALLOWCONN: a database closed to new connections (ALTER DATABASE … WITH
+    // ALLOW_CONNECTIONS false, while sessions made before still use its caps) is flushed all
+    // the same, as autovacuum still vacuums it; otherwise its counts could never be written,
+    // and its caps never reclaimed.
+    // SAFETY: what BackgroundWorker::connect_worker_to_spi_by_oid does (once, in a registered
+    // worker with a database connection, before any transaction), with that flag.
+    unsafe {
+        pg_sys::BackgroundWorkerInitializeConnectionByOid(
+            db,
+            pg_sys::InvalidOid,
+            pg_sys::BGWORKER_BYPASS_ALLOWCONN,
+        );
+    }
+    // Before the first transaction: what a database owner or a role set for this database
+    // must not make the flush fail, wait or write differently (`sql::WORKER_SETTINGS`).
+    sql::pin_worker_settings();
     let written = BackgroundWorker::transaction(|| {
-        // Before the first statement: what a database owner or a role may have set for this
-        // database must not make the flush fail or wait (a read-only default) nor leave it
-        // undurable (an asynchronous commit: a horizon is relied upon once published).
-        sql::set_local(c"transaction_read_only", c"off");
-        sql::set_local(c"synchronous_commit", c"on");
-        sql::set_local(c"lock_timeout", FLUSH_LOCK_TIMEOUT);
         let ext = sql::extension();
         let loaded = shmem::loaded(db.to_u32());
         if loaded.is_none() {
@@ -361,7 +459,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
 /// The extension is no longer installed here: its table is gone with it, so the counts have
 /// nowhere to go.
 fn drop_orphaned(db: pg_sys::Oid) {
-    let caps = flush::discard_pending();
+    let (caps, _) = flush::discard_pending(db.to_u32());
     if caps > 0 {
         log!(
             "stage_e_slots: dropped pending counters of {caps} cap(s) of database {}, which no \

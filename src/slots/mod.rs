@@ -614,7 +614,7 @@ pub fn end_database() {
         leases += cap.expire_leases(i64::MAX).len();
         cap.forget_horizon();
     }
-    let pending = crate::flush::discard_pending();
+    let (pending, _) = crate::flush::discard_pending(session::database());
     if leases + pending > 0 {
         pgrx::log!(
             "stage_e_slots: the extension was dropped from database {}: freed {leases} \
