@@ -247,10 +247,15 @@ pub fn now() -> i64 {
 
 /// Whether this server is a standby. Once recovery has ended it never resumes in this
 /// process (a promoted standby stays a primary), so a `false` is cached.
+#[inline]
 pub fn in_recovery() -> bool {
-    if RECOVERY_DONE.get() {
-        return false;
-    }
+    !RECOVERY_DONE.get() && ask_recovery()
+}
+
+/// Out of line: the guarded call's frame would otherwise be set up on every call.
+#[cold]
+#[inline(never)]
+fn ask_recovery() -> bool {
     // SAFETY: reads shared recovery state under its own spinlock.
     let in_recovery = unsafe { pg_sys::RecoveryInProgress() };
     RECOVERY_DONE.set(!in_recovery);

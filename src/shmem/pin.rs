@@ -33,6 +33,7 @@ static MY_HAZARD: BackendLocal<Cell<Option<&'static AtomicU64>>> =
     BackendLocal::new(Cell::new(None));
 
 /// This process's hazard slot: one per PGPROC, so each backend has its own.
+#[inline]
 fn my_hazard() -> Option<&'static AtomicU64> {
     if let Some(h) = MY_HAZARD.get() {
         return Some(h);
@@ -42,6 +43,8 @@ fn my_hazard() -> Option<&'static AtomicU64> {
     Some(h)
 }
 
+#[cold]
+#[inline(never)]
 fn find_my_hazard() -> Option<&'static AtomicU64> {
     let seg = segment()?;
     #[cfg(feature = "pg15")]
@@ -56,10 +59,27 @@ fn find_my_hazard() -> Option<&'static AtomicU64> {
 impl CapEntry {
     /// Pins the entry if it still holds `cap`: in this backend's hazard slot when it is free
     /// (the hot path), else by counting.
+    #[inline]
     pub(super) fn pin(&'static self, cap: CapRef) -> Option<Cap> {
         let Some(hazard) = my_hazard().filter(|h| h.load(Ordering::Relaxed) == 0) else {
             return self.pin_counted(cap);
         };
+        let pin = match self.state.try_pin_hazard(hazard, cap) {
+            Ok(pin) => pin,
+            Err(Refused::Gone) => return None,
+            Err(Refused::Locked) => return self.pin_when_unlocked(hazard, cap),
+        };
+        Some(Cap {
+            entry: self,
+            at: cap,
+            _pin: pin,
+        })
+    }
+
+    /// The entry is being grown or reclaimed: wait for it, out of the hot path's frame.
+    #[cold]
+    #[inline(never)]
+    fn pin_when_unlocked(&'static self, hazard: &'static AtomicU64, cap: CapRef) -> Option<Cap> {
         let pin = self.state.pin_hazard(hazard, cap, nap)?;
         Some(Cap {
             entry: self,
