@@ -230,11 +230,11 @@ impl Segment {
                     p.acquired, p.throttled
                 )
             };
-            pgrx::log!(
+            crate::errors::log(format!(
                 "stage_e_slots: reclaimed cap \"{}\" of dropped database {}{counts}",
                 e.name(),
                 e.database(),
-            );
+            ));
         }
         self.index().remove(e.hash(), i, |o| self.entry(o).hash());
         self.buddy().free(e.block().0);

@@ -61,6 +61,18 @@ pub enum SlotError {
         max_slots: u32,
     },
     BadCapName(NameError),
+    /// A cap name of a SQL_ASCII database that is not UTF-8: the first bad `bytes`, `at` bytes
+    /// into the name.
+    CapNotUtf8 {
+        at: usize,
+        bytes: Vec<u8>,
+    },
+    /// A cap name that fits in UTF-8 but takes more than `MAX_NAME` bytes (`len`) in the
+    /// database's `encoding`, where the tables' cap columns hold it.
+    CapTooLongHere {
+        len: usize,
+        encoding: String,
+    },
     /// The durable state of this database could not be loaded since the server started.
     NotLoaded,
     /// The database table of `stage_e_slots.max_databases`-like records is full.
