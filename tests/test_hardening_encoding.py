@@ -345,3 +345,50 @@ def test_a_schema_named_in_the_databases_encoding_is_found(ec, opened):
     assert [h["cap"] for h in doc["holders"]] == [NAME]
     assert one(s, "SELECT stage_e_release(%s, 0)", (NAME,)) is True
     assert [r[0] for r in s.execute("SELECT cap FROM stage_e_flush()").fetchall()] in ([NAME], [])
+
+
+# -- an encoding in which a name takes more bytes than in UTF-8 ----------------------------
+
+FOUR_BYTES_IN_EUC_TW = """
+    CREATE FUNCTION pg_temp.four_bytes() RETURNS text LANGUAGE plpgsql AS $$
+    DECLARE b bytea;
+    BEGIN
+        FOR g IN x'4e00'::int .. x'9fa5'::int LOOP
+            BEGIN
+                b := convert_to(chr(g), 'EUC_TW');
+                -- SS2, then a plane the server's EUC_TW accepts (0xa1 .. 0xa7)
+                IF octet_length(b) = 4 AND get_byte(b, 1) BETWEEN 161 AND 167 THEN
+                    RETURN chr(g);
+                END IF;
+            EXCEPTION WHEN others THEN NULL;  -- no EUC_TW equivalent
+            END;
+        END LOOP;
+        RETURN NULL;
+    END $$"""
+
+
+def test_a_name_must_fit_63_bytes_of_the_databases_encoding_too(ec, opened):
+    """A CNS 11643 plane-2 character is 3 bytes in UTF-8 and 4 in EUC_TW: 16 of them fit the
+    UTF-8 limit (48) but not the counter table's cap column (64 > 63 bytes), which the flusher
+    would then fail to write at every round. So they are refused, in words, when the name comes
+    in; 15 (60 bytes there) are a cap whose row is written."""
+    u = session(ec, "UTF8", opened)
+    u.execute(FOUR_BYTES_IN_EUC_TW)
+    c = one(u, "SELECT pg_temp.four_bytes()")
+    assert c is not None and len(c.encode()) == 3
+    ec.sql('DROP DATABASE IF EXISTS "e_euc_tw" WITH (FORCE)')
+    ec.sql("CREATE DATABASE e_euc_tw ENCODING 'EUC_TW' LC_COLLATE 'C' LC_CTYPE 'C' "
+           "TEMPLATE template0")
+    # (client_encoding UTF8: Python has no EUC_TW codec.)
+    s = psycopg.connect(ec.conninfo("e_euc_tw") + " client_encoding=UTF8", autocommit=True)
+    opened.append(s)
+    s.execute("CREATE EXTENSION stage_e_slots")
+    with pytest.raises(errors.InvalidParameterValue) as e:
+        s.execute("SELECT stage_e_try_slot(%s, 1)", (c * 16,))
+    assert e.value.diag.message_primary == "cap name is too long in encoding EUC_TW (64 bytes)"
+    assert "counted in UTF-8 and in the database's encoding" in e.value.diag.message_detail
+    assert one(s, "SELECT stage_e_try_slot(%s, 1)", (c * 15,)) == 0
+    assert one(s, "SELECT stage_e_cap_key(%s)", (c * 15,)) == one(
+        u, "SELECT stage_e_cap_key(%s)", (c * 15,))
+    wait_for(lambda: counter_row(s, c * 15) == (1, 0), what="the row of the 60-byte name")
+    assert caps_of(s, "stage_e_stats()") == [c * 15]
