@@ -29,6 +29,7 @@ use crate::api;
 use crate::errors::{raise, raise_flush, raise_internal};
 use crate::flush::{self, Write};
 use crate::gucs;
+use crate::names::{Json, Text};
 use crate::slots;
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
@@ -105,7 +106,7 @@ for_each_counter_0_2_0!(
 
 /// 0.1.0's document: the `default` cap's counts at the top level.
 #[pg_extern(sql = false)]
-fn stage_e_snapshot() -> pgrx::JsonB {
+fn stage_e_snapshot() -> Json {
     let doc = crate::api::snapshot_document();
     let cap = doc["caps"]
         .as_array()
@@ -137,28 +138,28 @@ fn stage_e_snapshot() -> pgrx::JsonB {
     if out.is_null() {
         raise_internal("could not build the snapshot".into());
     }
-    pgrx::JsonB(out)
+    Json(out)
 }
 
 // -- 0.2.0: named caps, five counters ---------------------------------------------------------
 
 for_each_counter_0_2_0!(counter_table_fn,
     #[pg_extern(sql = false)]
-    fn stage_e_stats_v2() -> (cap: String, max_slots: i32, held: i32) {
+    fn stage_e_stats_v2() -> (cap: Text, max_slots: i32, held: i32) {
         api::stats_rows()
     }
 );
 
 for_each_counter_0_2_0!(counter_table_fn,
     #[pg_extern(sql = false)]
-    fn stage_e_flush_v2() -> (cap: String) {
+    fn stage_e_flush_v2() -> (cap: Text) {
         api::flush_rows()
     }
 );
 
 for_each_counter_0_2_0!(counter_table_fn,
     #[pg_extern(sql = false)]
-    fn stage_e_pending_v2(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
+    fn stage_e_pending_v2(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
         api::pending_rows(row_flush_id)
     }
 );
@@ -168,21 +169,21 @@ for_each_counter_0_2_0!(counter_table_fn,
 // Their rows are today's (`api`), shown with 0.3.0's counters only.
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
-    fn stage_e_stats_v3() -> (cap: String, max_slots: i32, held: i32) {
+    fn stage_e_stats_v3() -> (cap: Text, max_slots: i32, held: i32) {
         api::stats_rows()
     }
 );
 
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
-    fn stage_e_flush_v3() -> (cap: String) {
+    fn stage_e_flush_v3() -> (cap: Text) {
         api::flush_rows()
     }
 );
 
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
-    fn stage_e_pending_v3(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
+    fn stage_e_pending_v3(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
         api::pending_rows(row_flush_id)
     }
 );
@@ -191,7 +192,7 @@ for_each_counter_0_3_0!(counter_table_fn,
 fn stage_e_slot_holders_internal_v2() -> TableIterator<
     'static,
     (
-        name!(cap, String),
+        name!(cap, Text),
         name!(slot, i32),
         name!(pid, i32),
         name!(acquired_at, Option<TimestampWithTimeZone>),
@@ -202,7 +203,7 @@ fn stage_e_slot_holders_internal_v2() -> TableIterator<
         let at = h
             .acquired_at
             .and_then(|t| TimestampWithTimeZone::try_from(t).ok());
-        (h.cap, h.slot as i32, h.pid, at)
+        (Text(h.cap), h.slot as i32, h.pid, at)
     }))
 }
 

@@ -8,11 +8,11 @@
 //! a grant never relies on a horizon that is not on disk.
 
 use crate::gucs;
+use crate::names::Text;
 use crate::session;
 use crate::shmem::{self, Cap, CapRef};
 use crate::sql::{self, Extension};
 use pgrx::datetime::TimestampWithTimeZone;
-use pgrx::prelude::*;
 use stage_e_core::lifecycle;
 
 /// A journal is rewritten at most this often per cap (while its leases change).
@@ -47,7 +47,7 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
     let held_caps: Vec<String> = if holds && recovery_hold > 0 {
         sql::read(|c| {
             c.select(&sql::counter_caps_query(ext), None, &[])?
-                .map(|r| r.get::<String>(1).map(Option::unwrap_or_default))
+                .map(|r| r.get::<Text>(1).map(|c| c.unwrap_or_default().0))
                 .collect()
         })
         .map_err(|e| format!("reading stage_e_throttle_counter: {e}"))?
@@ -106,7 +106,7 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
 }
 
 fn log_hold(cap: &str, database: &str, until: i64, reason: &str, reclaimable: usize) {
-    log!(
+    crate::errors::log(format!(
         "stage_e_slots: cap \"{cap}\" of database \"{database}\" is held back until {} ({reason}): \
          {}",
         ts(until),
@@ -118,7 +118,7 @@ fn log_hold(cap: &str, database: &str, until: i64, reason: &str, reclaimable: us
                  be reclaimed by renewing them"
             )
         }
-    );
+    ));
 }
 
 /// The cap `name` of database `db`, made with room for `n` slots; fails closed (the load is
@@ -148,7 +148,7 @@ fn read_rows(ext: &Extension) -> pgrx::spi::Result<Vec<Row>> {
                 .and_then(|j| serde_json::from_str(&j).ok())
                 .unwrap_or_default();
             rows.push(Row {
-                cap: r.get::<String>(1)?.unwrap_or_default(),
+                cap: r.get::<Text>(1)?.unwrap_or_default().0,
                 horizon: r
                     .get::<TimestampWithTimeZone>(2)?
                     .map_or(0, TimestampWithTimeZone::into_inner),
@@ -193,7 +193,7 @@ pub fn advance(ext: &Extension) -> Result<Vec<Written>, pgrx::spi::Error> {
             continue;
         };
         refs.push((r, cap.name(), w.journal.1));
-        caps.push(cap.name());
+        caps.push(Text(cap.name()));
         horizons.push(TimestampWithTimeZone::try_from(w.horizon).ok());
         floors.push(w.floor as i64);
         ns.push(w.n as i32);
@@ -214,7 +214,7 @@ pub fn advance(ext: &Extension) -> Result<Vec<Written>, pgrx::spi::Error> {
         |rows| {
             rows.map(|r| {
                 Ok((
-                    r.get::<String>(1)?.unwrap_or_default(),
+                    r.get::<Text>(1)?.unwrap_or_default().0,
                     r.get::<TimestampWithTimeZone>(2)?
                         .map_or(0, TimestampWithTimeZone::into_inner),
                     r.get::<i64>(3)?.unwrap_or(0).max(0) as u64,

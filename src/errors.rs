@@ -4,6 +4,7 @@
 
 use crate::flush::FlushError;
 use crate::gucs;
+use crate::names;
 use crate::shmem::{CapError, Pool};
 use crate::slots::{NamedError, SlotError};
 use pgrx::pg_sys::panic::ErrorReport;
@@ -16,13 +17,51 @@ pub const HINT_SAME_CONNECTION: &str = "A slot is a session-level lock: it belon
      connection that took it and is gone when that connection closes. Acquire and release on \
      one dedicated connection, and check stage_e_holding(slot) before committing work.";
 
-fn report(code: PgSqlErrorCode, message: String, detail: String, hint: Option<String>) -> ! {
-    let mut e = ErrorReport::new(code, message, "stage_e_slots").set_detail(detail);
-    if let Some(hint) = hint {
-        e = e.set_hint(hint);
+/// Every report of ours is made here: the text, made in UTF-8, is handed over in the server
+/// encoding (`names::message`; pgrx's ErrorReport only copies it into the report).
+fn ereport(
+    level: PgLogLevel,
+    code: PgSqlErrorCode,
+    message: String,
+    detail: Option<String>,
+    hint: Option<String>,
+) {
+    let mut e = ErrorReport::new(code, names::message(message), "stage_e_slots");
+    if let Some(detail) = detail {
+        e = e.set_detail(names::message(detail));
     }
-    e.report(PgLogLevel::ERROR);
+    if let Some(hint) = hint {
+        e = e.set_hint(names::message(hint));
+    }
+    e.report(level);
+}
+
+fn report(code: PgSqlErrorCode, message: String, detail: String, hint: Option<String>) -> ! {
+    ereport(PgLogLevel::ERROR, code, message, Some(detail), hint);
     unreachable!("ereport(ERROR) does not return")
+}
+
+/// An ERROR without a detail (what pgrx's `error!` raises), for the background workers.
+pub fn fail(message: String) -> ! {
+    ereport(
+        PgLogLevel::ERROR,
+        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
+        message,
+        None,
+        None,
+    );
+    unreachable!("ereport(ERROR) does not return")
+}
+
+/// A LOG line (the server log, and a client with client_min_messages = log).
+pub fn log(message: String) {
+    ereport(
+        PgLogLevel::LOG,
+        PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
+        message,
+        None,
+        None,
+    );
 }
 
 /// Microseconds as seconds, for a message (`86400 s`, `0.25 s`).
@@ -37,12 +76,13 @@ fn seconds(us: i64) -> String {
 /// A LOG line for the server log only (errhidefromclient), for what the client of this
 /// backend must not see.
 pub fn log_server_only(message: String) {
-    ErrorReport::new(
+    ereport(
+        PgLogLevel::LOG_SERVER_ONLY,
         PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
         message,
-        "stage_e_slots",
-    )
-    .report(PgLogLevel::LOG_SERVER_ONLY);
+        None,
+        None,
+    );
 }
 
 /// Raises `e` as an ERROR.
@@ -106,7 +146,7 @@ pub fn describe(e: &SlotError) -> Described {
             format!("{name} must not be NULL"),
             match *name {
                 "n" => format!("n must be between 1 and stage_e_slots.max_slots ({max_slots})."),
-                "cap" => format!("A cap name is 1 to {MAX_NAME} bytes."),
+                "cap" => format!("A cap name is 1 to {MAX_NAME} bytes, counted in UTF-8."),
                 "k" => "k is how many slots to take at once, between 1 and n.".into(),
                 "wait" => "wait is how long to wait for a slot: '0' does not wait.".into(),
                 "ttl" => "ttl is how long a lease lasts unless renewed.".into(),
@@ -243,8 +283,38 @@ pub fn describe(e: &SlotError) -> Described {
                 NameError::Empty => "cap name must not be empty".into(),
                 NameError::TooLong { len } => format!("cap name is too long ({len} bytes)"),
             },
-            format!("A cap name is 1 to {MAX_NAME} bytes."),
+            format!("A cap name is 1 to {MAX_NAME} bytes, counted in UTF-8."),
             Some("Use a shorter name; a hash of a long key works (md5(key) is 32 bytes).".into()),
+        ),
+        SlotError::CapTooLongHere { len, encoding } => said(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("cap name is too long in encoding {encoding} ({len} bytes)"),
+            format!(
+                "A cap name is 1 to {MAX_NAME} bytes, counted in UTF-8 and in the database's \
+                 encoding ({encoding}), in which its counter row keeps it."
+            ),
+            Some("Use a shorter name; a hash of a long key works (md5(key) is 32 bytes).".into()),
+        ),
+        SlotError::CapNotUtf8 { at, bytes, len } => said(
+            ERRCODE_CHARACTER_NOT_IN_REPERTOIRE,
+            format!(
+                "cap name is not valid UTF-8: invalid byte sequence {} at byte {}",
+                bytes[..*len as usize]
+                    .iter()
+                    .map(|b| format!("0x{b:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                at + 1
+            ),
+            "In a SQL_ASCII database, which keeps whatever bytes it is sent, a cap name is read \
+             as UTF-8, so that one name is one cap in every database of the server; nothing was \
+             taken or changed."
+                .into(),
+            Some(
+                "Send cap names in UTF-8 (client_encoding has no effect in a SQL_ASCII \
+                 database), or use names of ASCII characters only."
+                    .into(),
+            ),
         ),
         SlotError::Named(e) => describe_named(&e.cap, &e.what),
     }
@@ -417,10 +487,13 @@ pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>) {
     } else {
         format!("slot {slot} of cap \"{cap}\" was not held by this connection")
     };
-    ErrorReport::new(PgSqlErrorCode::ERRCODE_WARNING, message, "stage_e_slots")
-        .set_detail(detail)
-        .set_hint(HINT_SAME_CONNECTION)
-        .report(PgLogLevel::WARNING);
+    ereport(
+        PgLogLevel::WARNING,
+        PgSqlErrorCode::ERRCODE_WARNING,
+        message,
+        Some(detail),
+        Some(HINT_SAME_CONNECTION.into()),
+    );
 }
 
 /// The WARNING of a renewal or a release by token that found no live lease with that token.
@@ -437,35 +510,35 @@ pub fn warn_not_current(
         ),
         None => format!("Slot {slot} of cap \"{cap}\" has no live lease."),
     };
-    ErrorReport::new(
+    ereport(
+        PgLogLevel::WARNING,
         PgSqlErrorCode::ERRCODE_WARNING,
         format!("{what}: the token is not the current lease of slot {slot} of cap \"{cap}\""),
-        "stage_e_slots",
-    )
-    .set_detail(detail)
-    .set_hint(
-        "The lease expired and was freed (the slot may since be someone else's), or it was \
-         released already. Stop the guarded work: its fencing token is stale.",
-    )
-    .report(PgLogLevel::WARNING);
+        Some(detail),
+        Some(
+            "The lease expired and was freed (the slot may since be someone else's), or it was \
+             released already. Stop the guarded work: its fencing token is stale."
+                .into(),
+        ),
+    );
 }
 
 /// The WARNING of a renewal or a release by token of a lease that had expired.
 pub fn warn_expired(what: &str, cap: &str, slot: i32, held_us: i64) {
-    ErrorReport::new(
+    ereport(
+        PgLogLevel::WARNING,
         PgSqlErrorCode::ERRCODE_WARNING,
         format!("{what}: the lease of slot {slot} of cap \"{cap}\" had expired"),
-        "stage_e_slots",
-    )
-    .set_detail(format!(
-        "It was held for {:.3} s, past its ttl; it is now freed and counted as expired.",
-        held_us as f64 / 1e6
-    ))
-    .set_hint(
-        "Renew before the ttl passes, or take the lease with a longer ttl. Work done after the \
-         expiry was not guarded.",
-    )
-    .report(PgLogLevel::WARNING);
+        Some(format!(
+            "It was held for {:.3} s, past its ttl; it is now freed and counted as expired.",
+            held_us as f64 / 1e6
+        )),
+        Some(
+            "Renew before the ttl passes, or take the lease with a longer ttl. Work done after \
+             the expiry was not guarded."
+                .into(),
+        ),
+    );
 }
 
 // -- in words, for LOG lines: never Rust's Debug text ------------------------------------------

@@ -15,6 +15,7 @@
 //! A database still at version 0.1.0 (its library updated, `ALTER EXTENSION UPDATE` not yet
 //! run) has the old one-row table: its `default` cap is written there, as 0.1.0 did.
 
+use crate::names::Text;
 use crate::session;
 use crate::shmem::{self, Cap, Flushed};
 use crate::slots::SlotError;
@@ -142,7 +143,7 @@ fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(
         args.push(id.into());
         args
     } else {
-        let caps: Vec<String> = deltas.iter().map(|(c, _)| c.clone()).collect();
+        let caps: Vec<Text> = deltas.iter().map(|(c, _)| Text(c.clone())).collect();
         let mut args: Vec<pgrx::datum::DatumWithOid> = vec![caps.into()];
         for i in 0..n {
             if CounterValues::is_time(i) {
@@ -168,7 +169,7 @@ fn reset(ext: &Extension, only: Option<&str>, id: u64) -> Result<(), FlushError>
     let result = match only {
         Some(cap) if ext.version.has_named_caps() => sql::write(
             &sql::counter_reset_query(ext, true),
-            &[id.into(), cap.into()],
+            &[id.into(), Text(cap.to_string()).into()],
         ),
         _ => sql::write(&sql::counter_reset_query(ext, false), &[id.into()]),
     };
@@ -237,7 +238,7 @@ pub fn expire(
     let query = sql::retention_query(ext);
     let args: Vec<pgrx::datum::DatumWithOid> = vec![
         sql::interval_us(retention.as_micros() as u64).into(),
-        busy.into(),
+        busy.into_iter().map(Text).collect::<Vec<_>>().into(),
         RETENTION_BATCH.into(),
     ];
     sql::write_returning(&query, &args, |rows| {

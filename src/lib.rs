@@ -13,7 +13,8 @@
 //!   `worker` (the launcher and flushers), `hooks` (exit and transaction-end callbacks);
 //! - this backend and Postgres: `session` (this backend's state, a leaf), `locks` (the lock
 //!   manager), `shmem` (shared state, one file per concern), `sql` (every statement we run),
-//!   `gucs` (settings), `ffi` (calls made without pgrx's guard);
+//!   `gucs` (settings), `ffi` (calls made without pgrx's guard), `names` (text in the server
+//!   encoding: names are UTF-8 inside, converted at the edge);
 //! - no server at all: the `stage_e_core` crate (slot bitmap, arena, directory, counters, the
 //!   segment layout and the lock-free protocols of shared memory, tested with threads).
 
@@ -27,6 +28,7 @@ mod flush;
 mod gucs;
 mod hooks;
 mod locks;
+mod names;
 mod session;
 mod shmem;
 mod slots;

@@ -221,4 +221,41 @@ mod tests {
             Some("stage_e_lease_slot".into())
         );
     }
+
+    /// What `names` writes where text cannot be converted (a message), what it says of bytes
+    /// that are not UTF-8, and how it spells a schema name for a statement.
+    #[pg_test]
+    fn names_escape_report_and_quote_in_ascii() {
+        use crate::names::{escape_non_ascii, not_utf8, unicode_escaped_identifier};
+        use crate::slots::SlotError;
+        assert_eq!(escape_non_ascii("cap \"café\""), "cap \"caf\\u00E9\"");
+        assert_eq!(escape_non_ascii("😀 x"), "\\U0001F600 x");
+        assert_eq!(escape_non_ascii("plain"), "plain");
+        let bad = |b: &[u8]| not_utf8(b, std::str::from_utf8(b).unwrap_err());
+        assert_eq!(
+            bad(b"caf\xe9!"),
+            SlotError::CapNotUtf8 {
+                at: 3,
+                bytes: [0xe9, 0, 0, 0],
+                len: 1
+            }
+        );
+        assert_eq!(
+            bad(b"ab\xc3"),
+            SlotError::CapNotUtf8 {
+                at: 2,
+                bytes: [0xc3, 0, 0, 0],
+                len: 1
+            }
+        );
+        assert_eq!(
+            unicode_escaped_identifier("sché\\ma \"\"x\"\" 😀"),
+            "U&\"sch\\00E9\\\\ma \"\"x\"\" \\+01F600\""
+        );
+        // In a UTF8 or SQL_ASCII database (the test server's) a quoted name stays as it is.
+        assert_eq!(
+            crate::names::sql_identifier("\"schéma\"".into()),
+            "\"schéma\""
+        );
+    }
 }

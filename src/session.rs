@@ -208,7 +208,7 @@ pub fn role_name(role: u32) -> String {
         if p.is_null() {
             format!("with oid {role}")
         } else {
-            format!("\"{}\"", CStr::from_ptr(p).to_string_lossy())
+            format!("\"{}\"", crate::names::from_server_lossy(CStr::from_ptr(p)))
         }
     }
 }

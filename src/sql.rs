@@ -16,6 +16,7 @@
 //! version of the database's objects. The extension scripts (`sql/`) follow the same rule for
 //! view bodies.
 
+use crate::names::Text;
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
 use pgrx::spi::{self, SpiClient};
@@ -158,7 +159,7 @@ fn set_session(name: &CStr, value: &CStr) {
 
 /// The extension as installed in the current database.
 pub struct Extension {
-    /// Its schema, quoted for SQL.
+    /// Its schema, quoted for SQL (`names::sql_identifier`).
     pub schema: String,
     /// The version of its SQL objects (a database not yet updated keeps an older one).
     pub version: SchemaVersion,
@@ -178,11 +179,11 @@ pub fn extension() -> Option<Extension> {
                 &[],
             )?
             .first();
-        Ok(match (row.get::<String>(1)?, row.get::<String>(2)?) {
+        Ok(match (row.get::<Text>(1)?, row.get::<String>(2)?) {
             // A version this library does not know is a newer one whose library was replaced
             // by this older one: its objects have at least what the newest known version has.
             (Some(schema), Some(version)) => Some(Extension {
-                schema,
+                schema: crate::names::sql_identifier(schema.0),
                 version: SchemaVersion::parse(&version).unwrap_or(SchemaVersion::CURRENT),
             }),
             _ => None,
@@ -221,7 +222,7 @@ unsafe fn owned(p: *const std::ffi::c_char) -> String {
         String::new()
     } else {
         // SAFETY: per the caller.
-        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        crate::names::from_server_lossy(unsafe { CStr::from_ptr(p) })
     }
 }
 

@@ -21,6 +21,7 @@
 //! looked for every second while any lease is live; counters keep their own interval.
 
 use crate::durable;
+use crate::errors;
 use crate::flush::{self, Write};
 use crate::gucs;
 use crate::session;
@@ -395,10 +396,10 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         let loaded = shmem::loaded(db.to_u32());
         if loaded.is_none() {
             if let Err(e) = durable::load(db.to_u32(), ext.as_ref()) {
-                error!(
+                errors::fail(format!(
                     "stage_e_slots: could not load database {}: {e}",
                     db.to_u32()
-                );
+                ));
             }
         } else if loaded != Some(ext.as_ref().is_some_and(|e| e.version.has_lease_horizon())) {
             // Updated (or the extension dropped) since it was loaded.
@@ -406,10 +407,10 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         }
         let written = match &ext {
             Some(ext) => durable::advance(ext).unwrap_or_else(|e| {
-                error!(
+                errors::fail(format!(
                     "stage_e_slots: could not write the lease horizons of database {}: {e}",
                     db.to_u32()
-                )
+                ))
             }),
             None => Vec::new(),
         };
@@ -417,17 +418,17 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
             match flush::flush(Write::Add, None, false) {
                 Ok(Some(_)) => {}
                 Ok(None) => drop_orphaned(db),
-                Err(e) => error!(
+                Err(e) => errors::fail(format!(
                     "stage_e_slots: flush of database {} failed: {e}",
                     db.to_u32()
-                ),
+                )),
             }
         }
         if let (true, Some(ext), Some(retention)) = (sweep, &ext, gucs::counter_retention()) {
             let keep = written.iter().filter_map(|w| w.name()).collect();
             match flush::expire(ext, retention, keep) {
                 Ok((0, _)) => {}
-                Ok((rows, horizons)) => log!(
+                Ok((rows, horizons)) => errors::log(format!(
                     "stage_e_slots: deleted the counter rows of {rows} cap(s) of database \"{}\" \
                      unused for longer than stage_e_slots.counter_retention ({} s){}{}",
                     sql::current_database(),
@@ -442,11 +443,11 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
                     } else {
                         ""
                     }
-                ),
-                Err(e) => error!(
+                )),
+                Err(e) => errors::fail(format!(
                     "stage_e_slots: the counter retention of database {} failed: {e}",
                     db.to_u32()
-                ),
+                )),
             }
         }
         written

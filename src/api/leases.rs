@@ -5,6 +5,7 @@
 use super::{to_micros, to_wait};
 use crate::errors::{raise, raise_internal, warn_expired, warn_not_current};
 use crate::hooks;
+use crate::names::CapArg;
 use crate::slots::{self, LeaseAction};
 use pgrx::prelude::*;
 
@@ -19,7 +20,7 @@ extension_sql_file!(
 /// up to `wait`. Renew it with stage_e_renew, free it with stage_e_release_lease.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_lease(
-    cap: Option<&str>,
+    cap: Option<CapArg<'_>>,
     n: Option<i32>,
     ttl: Option<Interval>,
     wait: default!(Option<Interval>, "'0'"),
@@ -27,7 +28,8 @@ fn stage_e_lease(
 ) -> Option<pgrx::composite_type!('static, "stage_e_lease_slot")> {
     let wait = to_wait(wait);
     hooks::ensure();
-    let got = slots::lease(cap, n, ttl.map(to_micros), wait).unwrap_or_else(|e| raise(e))?;
+    let got =
+        slots::lease(cap.as_deref(), n, ttl.map(to_micros), wait).unwrap_or_else(|e| raise(e))?;
     // The result type is this function's own (in the extension's schema), found through the
     // call rather than by name, so search_path plays no part.
     // SAFETY: fcinfo and its flinfo are the live call's; get_func_rettype reads the syscache.
@@ -48,14 +50,14 @@ fn stage_e_lease(
 /// one; false with a WARNING when it expired or the token is not the slot's current one.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_renew(
-    cap: Option<&str>,
+    cap: Option<CapArg<'_>>,
     slot: Option<i32>,
     token: Option<i64>,
     ttl: Option<Interval>,
 ) -> bool {
     settle_lease(
         "stage_e_renew",
-        cap,
+        cap.as_deref(),
         slot,
         token,
         LeaseAction::Renew {
@@ -67,10 +69,10 @@ fn stage_e_renew(
 /// Frees the lease of `slot` of `cap` if `token` is its current one; false with a WARNING
 /// (and a foreign release counted) otherwise, so a stale holder never frees a later one's slot.
 #[pg_extern(volatile, parallel_unsafe)]
-fn stage_e_release_lease(cap: Option<&str>, slot: Option<i32>, token: Option<i64>) -> bool {
+fn stage_e_release_lease(cap: Option<CapArg<'_>>, slot: Option<i32>, token: Option<i64>) -> bool {
     settle_lease(
         "stage_e_release_lease",
-        cap,
+        cap.as_deref(),
         slot,
         token,
         LeaseAction::Release,
@@ -102,8 +104,8 @@ fn settle_lease(
 /// The fencing token of slot `slot` of `cap` if this session holds it (NULL otherwise): larger
 /// than every earlier token of the cap, leases included, also across restarts.
 #[pg_extern(volatile, parallel_unsafe)]
-fn stage_e_slot_token(cap: Option<&str>, slot: Option<i32>) -> Option<i64> {
-    slots::slot_token(cap, slot)
+fn stage_e_slot_token(cap: Option<CapArg<'_>>, slot: Option<i32>) -> Option<i64> {
+    slots::slot_token(cap.as_deref(), slot)
         .unwrap_or_else(|e| raise(e))
         .map(|t| t as i64)
 }
@@ -111,6 +113,6 @@ fn stage_e_slot_token(cap: Option<&str>, slot: Option<i32>) -> Option<i64> {
 /// The first int4 of the advisory locks of `cap`: slot s of the cap is the lock
 /// `(stage_e_cap_key(cap), s)`. The same on every server and after every restart.
 #[pg_extern(stable, parallel_safe)]
-fn stage_e_cap_key(cap: Option<&str>) -> i32 {
-    slots::cap_key(cap).unwrap_or_else(|e| raise(e))
+fn stage_e_cap_key(cap: Option<CapArg<'_>>) -> i32 {
+    slots::cap_key(cap.as_deref()).unwrap_or_else(|e| raise(e))
 }

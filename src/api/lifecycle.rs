@@ -2,6 +2,7 @@
 //! `sql/schema/lifecycle.sql`.
 
 use crate::errors::raise;
+use crate::names::Text;
 use crate::slots;
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
@@ -11,7 +12,7 @@ use pgrx::prelude::*;
 fn stage_e_held_back_internal() -> TableIterator<
     'static,
     (
-        name!(cap, String),
+        name!(cap, Text),
         name!(held_until, Option<TimestampWithTimeZone>),
         name!(reason, String),
     ),
@@ -19,7 +20,7 @@ fn stage_e_held_back_internal() -> TableIterator<
     let rows = slots::held_back().unwrap_or_else(|e| raise(e));
     TableIterator::new(rows.into_iter().map(|h| {
         (
-            h.cap,
+            Text(h.cap),
             TimestampWithTimeZone::try_from(h.until).ok(),
             h.reason.to_string(),
         )

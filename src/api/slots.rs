@@ -4,6 +4,7 @@
 use super::to_wait;
 use crate::errors::{raise, warn_not_held};
 use crate::hooks;
+use crate::names::CapArg;
 use crate::slots::{self, Caps, Release};
 use pgrx::prelude::*;
 use stage_e_core::directory::DEFAULT_CAP;
@@ -17,31 +18,31 @@ fn stage_e_try_slot(n: Option<i32>) -> Option<i32> {
 
 /// A slot in `[0, n)` of cap `cap` that this session now holds, or NULL when all n are taken.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
-fn stage_e_try_slot_cap(cap: Option<&str>, n: Option<i32>) -> Option<i32> {
-    try_slot(cap, n)
+fn stage_e_try_slot_cap(cap: Option<CapArg<'_>>, n: Option<i32>) -> Option<i32> {
+    try_slot(cap.as_deref(), n)
 }
 
 /// A slot in `[0, n)` of cap `cap`, waiting up to `wait` for one (in arrival order); NULL
 /// once `wait` has passed.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
 fn stage_e_try_slot_wait_cap(
-    cap: Option<&str>,
+    cap: Option<CapArg<'_>>,
     n: Option<i32>,
     wait: Option<Interval>,
 ) -> Option<i32> {
-    try_slots(cap, n, Some(1), wait).map(|s| s[0])
+    try_slots(cap.as_deref(), n, Some(1), wait).map(|s| s[0])
 }
 
 /// k distinct slots of `[0, n)` of cap `cap`, all or none, waiting up to `wait` for them;
 /// NULL when they could not all be had in time.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_try_slots(
-    cap: Option<&str>,
+    cap: Option<CapArg<'_>>,
     n: Option<i32>,
     k: Option<i32>,
     wait: default!(Option<Interval>, "'0'"),
 ) -> Option<Vec<i32>> {
-    try_slots(cap, n, k, wait)
+    try_slots(cap.as_deref(), n, k, wait)
 }
 
 pub(crate) fn try_slots(
@@ -74,8 +75,8 @@ fn stage_e_release(slot: Option<i32>) -> bool {
 /// True when this session held the slot of `cap` and no longer does; false with a WARNING
 /// otherwise.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_release")]
-fn stage_e_release_cap(cap: Option<&str>, slot: Option<i32>) -> bool {
-    release(cap, slot)
+fn stage_e_release_cap(cap: Option<CapArg<'_>>, slot: Option<i32>) -> bool {
+    release(cap.as_deref(), slot)
 }
 
 fn release(cap: Option<&str>, slot: Option<i32>) -> bool {
@@ -96,8 +97,8 @@ fn stage_e_release_all() -> i32 {
 
 /// Releases every slot of `cap` this session took; returns how many.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_release_all")]
-fn stage_e_release_all_cap(cap: Option<&str>) -> i32 {
-    slots::release_all(Caps::One(cap)).unwrap_or_else(|e| raise(e)) as i32
+fn stage_e_release_all_cap(cap: Option<CapArg<'_>>) -> i32 {
+    slots::release_all(Caps::One(cap.as_deref())).unwrap_or_else(|e| raise(e)) as i32
 }
 
 /// Whether this session holds the slot of `default` right now.
@@ -108,6 +109,6 @@ fn stage_e_holding(slot: Option<i32>) -> bool {
 
 /// Whether this session holds the slot of `cap` right now.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_holding")]
-fn stage_e_holding_cap(cap: Option<&str>, slot: Option<i32>) -> bool {
-    slots::holding(cap, slot).unwrap_or_else(|e| raise(e))
+fn stage_e_holding_cap(cap: Option<CapArg<'_>>, slot: Option<i32>) -> bool {
+    slots::holding(cap.as_deref(), slot).unwrap_or_else(|e| raise(e))
 }

@@ -4,6 +4,7 @@
 use crate::errors::{raise, raise_internal, raise_not_installed};
 use crate::flush;
 use crate::gucs;
+use crate::names::{Json, Text};
 use crate::shmem;
 use crate::slots;
 use crate::sql;
@@ -85,8 +86,8 @@ struct Snapshot {
 /// Configuration, per-cap totals and pending counts, and current holders as one jsonb
 /// document, for monitoring agents (postgres_exporter custom queries, Grafana).
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_snapshot")]
-fn stage_e_snapshot_v2() -> pgrx::JsonB {
-    pgrx::JsonB(snapshot_document())
+fn stage_e_snapshot_v2() -> Json {
+    Json(snapshot_document())
 }
 
 /// The snapshot document (also behind 0.1.0's `stage_e_snapshot`, see `compat`).
@@ -105,9 +106,9 @@ pub fn snapshot_document() -> serde_json::Value {
                     *x = row.get::<i64>(i + 2)?.unwrap_or(0) as u64;
                 }
                 Ok((
-                    row.get::<String>(1)?.unwrap_or_default(),
+                    String::from(row.get::<Text>(1)?.unwrap_or_default()),
                     CounterValues::from_array(v),
-                    row.get::<String>(n + 2)?,
+                    row.get::<Text>(n + 2)?.map(String::from),
                     row.get::<i64>(n + 3)?.unwrap_or(0),
                 ))
             })
@@ -116,14 +117,14 @@ pub fn snapshot_document() -> serde_json::Value {
             .select(&sql::holders_query(&ext), None, &[])?
             .map(|r| {
                 Ok(SnapshotHolder {
-                    cap: r.get::<String>(1)?.unwrap_or_default(),
+                    cap: r.get::<Text>(1)?.unwrap_or_default().0,
                     slot: r.get::<i32>(2)?.unwrap_or_default(),
                     pid: r.get::<i32>(3)?.unwrap_or_default(),
-                    acquired_at: r.get::<String>(4)?,
-                    application_name: r.get::<String>(5)?,
-                    state: r.get::<String>(6)?,
+                    acquired_at: r.get::<Text>(4)?.map(String::from),
+                    application_name: r.get::<Text>(5)?.map(String::from),
+                    state: r.get::<Text>(6)?.map(String::from),
                     token: r.get::<i64>(7)?,
-                    expires_at: r.get::<String>(8)?,
+                    expires_at: r.get::<Text>(8)?.map(String::from),
                 })
             })
             .collect::<Result<Vec<_>, pgrx::spi::Error>>()?;

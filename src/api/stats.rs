@@ -4,6 +4,7 @@
 use crate::errors::{raise, raise_flush, raise_not_installed};
 use crate::flush::{self, Write};
 use crate::gucs;
+use crate::names::{CapArg, Text};
 use crate::slots;
 use crate::sql;
 use pgrx::datetime::TimestampWithTimeZone;
@@ -15,18 +16,18 @@ for_each_counter!(counter_table_fn,
     /// One row per cap in use in the current database: counters since the cap was created,
     /// and the slots held now (from the lock manager).
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
-    fn stage_e_stats_v4() -> (cap: String, max_slots: i32, held: i32) {
+    fn stage_e_stats_v4() -> (cap: Text, max_slots: i32, held: i32) {
         stats_rows()
     }
 );
 
 /// The rows of `stage_e_stats()` (since 0.2.0; each version shows its own counters).
-pub fn stats_rows() -> Vec<((String, i32, i32), CounterValues)> {
+pub fn stats_rows() -> Vec<((Text, i32, i32), CounterValues)> {
     let max_slots = gucs::max_slots() as i32;
     slots::stats()
         .unwrap_or_else(|e| raise(e))
         .into_iter()
-        .map(|s| ((s.cap, max_slots, s.held as i32), s.counts))
+        .map(|s| ((Text(s.cap), max_slots, s.held as i32), s.counts))
         .collect()
 }
 
@@ -37,7 +38,7 @@ pub fn stats_rows() -> Vec<((String, i32, i32), CounterValues)> {
 fn stage_e_slot_holders_internal_v3() -> TableIterator<
     'static,
     (
-        name!(cap, String),
+        name!(cap, Text),
         name!(slot, i32),
         name!(pid, i32),
         name!(acquired_at, Option<TimestampWithTimeZone>),
@@ -49,7 +50,7 @@ fn stage_e_slot_holders_internal_v3() -> TableIterator<
     let at = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
     TableIterator::new(rows.into_iter().map(move |h| {
         (
-            h.cap,
+            Text(h.cap),
             h.slot as i32,
             h.pid,
             at(h.acquired_at),
@@ -63,19 +64,19 @@ for_each_counter!(counter_table_fn,
     /// Adds every cap's pending counts to its stage_e_throttle_counter row now; returns what it
     /// added, per cap. Restricted (EXECUTE revoked from PUBLIC): superusers and the owner.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_flush")]
-    fn stage_e_flush_v4() -> (cap: String) {
+    fn stage_e_flush_v4() -> (cap: Text) {
         flush_rows()
     }
 );
 
 /// Flushes every cap now; the rows of `stage_e_flush()`: what it added, per cap.
-pub fn flush_rows() -> Vec<((String,), CounterValues)> {
+pub fn flush_rows() -> Vec<((Text,), CounterValues)> {
     slots::ready().unwrap_or_else(|e| raise(e));
     flush::flush(Write::Add, None, true)
         .unwrap_or_else(|e| raise_flush(e))
         .unwrap_or_else(|| raise_not_installed())
         .into_iter()
-        .map(|(cap, v)| ((cap,), v))
+        .map(|(cap, v)| ((Text(cap),), v))
         .collect()
 }
 
@@ -87,7 +88,8 @@ fn stage_e_reset_stats() {
 
 /// Zeroes one cap's row and pending counts. Restricted.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_reset_stats")]
-fn stage_e_reset_stats_cap(cap: Option<&str>) {
+fn stage_e_reset_stats_cap(cap: Option<CapArg<'_>>) {
+    let cap = cap.as_deref();
     let cap = slots::cap_key(cap)
         .map(|_| cap)
         .unwrap_or_else(|e| raise(e));
@@ -106,11 +108,11 @@ fn reset(cap: Option<&str>) {
         Some(c) => format!("cap \"{c}\" of database \"{}\"", sql::current_database()),
         None => format!("database \"{}\"", sql::current_database()),
     };
-    log!(
+    crate::errors::log(format!(
         "stage_e_slots: counters of {what} reset by role \"{}\" (table zeroed, {dropped} pending \
          throttles dropped)",
         sql::current_role()
-    );
+    ));
 }
 
 for_each_counter!(counter_table_fn,
@@ -118,17 +120,17 @@ for_each_counter!(counter_table_fn,
     /// the rows the caller read (the view passes it) so that a flush committing at that moment
     /// is not counted twice.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_pending")]
-    fn stage_e_pending_v4(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: String) {
+    fn stage_e_pending_v4(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
         pending_rows(row_flush_id)
     }
 );
 
 /// The rows of `stage_e_pending(row_flush_id)`: per cap, the counts not yet in the table.
-pub fn pending_rows(row_flush_id: Option<i64>) -> Vec<((String,), CounterValues)> {
+pub fn pending_rows(row_flush_id: Option<i64>) -> Vec<((Text,), CounterValues)> {
     slots::attached().unwrap_or_else(|e| raise(e));
     flush::pending(row_flush_id)
         .into_iter()
-        .map(|(cap, v)| ((cap,), v))
+        .map(|(cap, v)| ((Text(cap),), v))
         .collect()
 }
 
@@ -138,7 +140,7 @@ pub fn pending_rows(row_flush_id: Option<i64>) -> Vec<((String,), CounterValues)
 fn stage_e_slot_waiters_internal() -> TableIterator<
     'static,
     (
-        name!(cap, String),
+        name!(cap, Text),
         name!(pid, i32),
         name!(n, i32),
         name!(k, i32),
@@ -150,7 +152,7 @@ fn stage_e_slot_waiters_internal() -> TableIterator<
     TableIterator::new(rows.into_iter().map(|w| {
         let since = TimestampWithTimeZone::try_from(w.since).ok();
         (
-            w.cap,
+            Text(w.cap),
             w.pid,
             w.n as i32,
             w.k as i32,
@@ -166,7 +168,7 @@ fn stage_e_slot_waiters_internal() -> TableIterator<
 fn stage_e_cap_load_internal() -> TableIterator<
     'static,
     (
-        name!(cap, String),
+        name!(cap, Text),
         name!(held_1m, f64),
         name!(held_5m, f64),
         name!(held_15m, f64),
@@ -179,6 +181,6 @@ fn stage_e_cap_load_internal() -> TableIterator<
     TableIterator::new(rows.into_iter().map(|l| {
         let [h1, h5, h15] = l.held;
         let [t1, t5, t15] = l.throttles_per_min;
-        (l.cap, h1, h5, h15, t1, t5, t15)
+        (Text(l.cap), h1, h5, h15, t1, t5, t15)
     }))
 }

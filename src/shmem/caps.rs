@@ -317,11 +317,11 @@ impl Segment {
                     p.acquired, p.throttled
                 )
             };
-            pgrx::log!(
+            crate::errors::log(format!(
                 "stage_e_slots: reclaimed cap \"{}\" of dropped database {}{counts}",
                 e.name(),
                 e.database(),
-            );
+            ));
         }
         self.index().remove(e.hash(), i, |o| self.entry(o).hash());
         self.buddy().free(e.block().0);
@@ -520,12 +520,12 @@ pub fn reclaim_database(db: u32) {
     for cap in caps(Some(db)) {
         let ended = cap.expire_leases(i64::MAX);
         if !ended.is_empty() {
-            pgrx::log!(
+            crate::errors::log(format!(
                 "stage_e_slots: freed {} lease{} of cap \"{}\" of dropped database {db}",
                 ended.len(),
                 if ended.len() == 1 { "" } else { "s" },
                 cap.name(),
-            );
+            ));
         }
     }
     directory_locked(EXCLUSIVE, || {

@@ -54,12 +54,12 @@ pub(super) fn lost(near: Option<&Cap>, held: Held) {
     let name = with_cap(near, held, |c| c.name()).unwrap_or_default();
     bump(near, held, Counter::Released, 1);
     forget(near, held, Some(session::statement_start()));
-    pgrx::log!(
+    crate::errors::log(format!(
         "stage_e_slots: slot {} of cap \"{name}\" of pid {} was released outside stage_e_release \
          (DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again",
         held.slot,
         session::pid()
-    );
+    ));
 }
 
 /// Transaction end in a backend that tracks slots: clear any whose lock has gone.
@@ -120,10 +120,10 @@ pub fn release_on_exit() {
             format!("{} of cap \"{name}\"", list.join(", "))
         })
         .collect();
-    pgrx::log!(
+    crate::errors::log(format!(
         "stage_e_slots: backend pid {} (application_name \"{}\") exited holding slot(s) {}; released",
         session::pid(),
         session::application_name(),
         what.join("; ")
-    );
+    ));
 }

@@ -69,6 +69,19 @@ pub enum SlotError {
         max_slots: u32,
     },
     BadCapName(NameError),
+    /// A cap name of a SQL_ASCII database that is not UTF-8: the first bad `bytes`, `at` bytes
+    /// into the name.
+    CapNotUtf8 {
+        at: usize,
+        bytes: [u8; 4],
+        len: u8,
+    },
+    /// A cap name that fits in UTF-8 but takes more than `MAX_NAME` bytes (`len`) in the
+    /// database's `encoding`, where the tables' cap columns hold it.
+    CapTooLongHere {
+        len: usize,
+        encoding: &'static str,
+    },
     /// The durable state of this database could not be loaded since the server started.
     NotLoaded,
     /// The database table of `stage_e_slots.max_databases`-like records is full.
@@ -616,11 +629,11 @@ pub fn end_database() {
     }
     let (pending, _) = crate::flush::discard_pending(session::database());
     if leases + pending > 0 {
-        pgrx::log!(
+        crate::errors::log(format!(
             "stage_e_slots: the extension was dropped from database {}: freed {leases} \
              lease(s) and dropped the pending counters of {pending} cap(s)",
             session::database()
-        );
+        ));
     }
 }
 
