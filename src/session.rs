@@ -364,6 +364,16 @@ pub fn untrack(held: Held) -> bool {
     })
 }
 
+/// Stops tracking slot `slot` of the cap with lock key `key`, if this backend tracked it: the
+/// release path, which then drops its bookkeeping (`held::drop_bookkeeping`) or reports it lost.
+#[inline]
+pub fn take_tracked(key: i32, slot: u32) -> Option<Held> {
+    TRACKED.with_borrow_mut(|t| {
+        let i = t.iter().position(|h| h.key == key && h.slot == slot)?;
+        Some(t.swap_remove(i))
+    })
+}
+
 /// The tracked slot `slot` of the cap with lock key `key`, if this backend holds it.
 pub fn tracked_slot(key: i32, slot: u32) -> Option<Held> {
     TRACKED.with_borrow(|t| t.iter().copied().find(|h| h.key == key && h.slot == slot))

@@ -326,3 +326,21 @@ def test_growing_a_pinned_cap_does_not_stall_other_databases(dc):
     lease.join(30)
     assert not lease.is_alive()
     other.close()
+
+
+def test_drop_schema_cascade_ends_the_caps_too(ec):
+    """The extension dropped as a dependent object (DROP SCHEMA ... CASCADE) ends its caps the
+    same way."""
+    ec.create_database("ext_schema", extension=False)
+    conn = connect(ec, "ext_schema")
+    conn.execute("CREATE SCHEMA s")
+    conn.execute("CREATE EXTENSION stage_e_slots SCHEMA s")
+    conn.execute("SELECT * FROM s.stage_e_lease('cascade', 1, '1 day')")
+    before = ec.log_text().count("the extension was dropped from database")
+    conn.execute("DROP SCHEMA s CASCADE")
+    wait_for(lambda: ec.log_text().count("the extension was dropped from database") > before,
+             timeout=10, what="the drop's LOG line")
+    conn.execute("CREATE EXTENSION stage_e_slots")
+    assert conn.execute("SELECT slot FROM stage_e_lease('cascade', 1, '1 min')"
+                        ).fetchone()[0] == 0
+    conn.close()

@@ -89,6 +89,7 @@ impl CapEntry {
     }
 
     /// Pins the entry by counting in its state word (several pins at once).
+    #[inline(never)]
     pub(super) fn pin_counted(&'static self, cap: CapRef) -> Option<Cap> {
         let pin = self.state.pin_counted(cap.generation, nap)?;
         Some(Cap {

@@ -15,6 +15,7 @@ use stage_e_core::occupancy;
 
 /// Runs `f` on the cap of `held`: `near` when the caller has that cap pinned already (the
 /// hot path pins once), else a pin of its own.
+#[inline]
 pub(super) fn with_cap<R>(near: Option<&Cap>, held: Held, f: impl FnOnce(&Cap) -> R) -> Option<R> {
     match near {
         Some(cap) if cap.at == held.cap => Some(f(cap)),
@@ -25,6 +26,13 @@ pub(super) fn with_cap<R>(near: Option<&Cap>, held: Held, f: impl FnOnce(&Cap) -
 /// Drops the extension's bookkeeping for a slot this backend tracked and wakes the cap's first
 /// waiter; with `released_at`, counts how long the slot was held.
 pub(super) fn forget(near: Option<&Cap>, held: Held, released_at: Option<i64>) {
+    drop_bookkeeping(near, held, released_at);
+    session::untrack(held);
+}
+
+/// [`forget`] of a slot no longer tracked (`session::take_tracked`).
+#[inline]
+pub(super) fn drop_bookkeeping(near: Option<&Cap>, held: Held, released_at: Option<i64>) {
     with_cap(near, held, |cap| {
         let (records, bits) = cap.block();
         let record = &records[held.slot as usize];
@@ -41,7 +49,6 @@ pub(super) fn forget(near: Option<&Cap>, held: Held, released_at: Option<i64>) {
             }
         }
     });
-    session::untrack(held);
 }
 
 pub(super) fn bump(near: Option<&Cap>, held: Held, which: Counter, by: u64) {

@@ -397,34 +397,54 @@ fn acquire(
     let cap = for_acquire(name, n)?;
     cap.note_n(n);
     let mut wait = wait;
-    if cap.held_until(session::statement_start()).is_some() {
-        // Held back after a crash or a promotion: nothing is handed out until the hold ends.
-        let started = std::time::Instant::now();
-        let deadline = match wait {
-            Wait::No => Some(started),
-            Wait::For(d) => Some(started + d),
-            Wait::Forever => None,
-        };
-        if let durable::Hold::Throttled = durable::through_hold(&cap, deadline) {
-            cap.counters().bump(Counter::Throttled, 1);
-            return Ok(None);
-        }
-        if let Wait::For(d) = wait {
-            wait = Wait::For(d.saturating_sub(started.elapsed()));
+    let now = session::statement_start();
+    if cap.held_until(now).is_some() {
+        match wait_out_hold(&cap, wait) {
+            Some(left) => wait = left,
+            None => return Ok(None),
         }
     }
     if cap.waiters() == 0 {
-        let now = session::statement_start();
         if let Some(got) = take(&cap, n, k, now, kind)? {
             cap.counters().bump(Counter::Acquired, k as u64);
             return Ok(Some(got));
         }
+    }
+    not_taken(cap, n, k, wait, kind)
+}
+
+/// Held back after a crash or a promotion: nothing is handed out until the hold ends. The wait
+/// left once it has (None: throttled, counted).
+#[cold]
+#[inline(never)]
+fn wait_out_hold(cap: &Cap, wait: Wait) -> Option<Wait> {
+    let started = std::time::Instant::now();
+    let deadline = match wait {
+        Wait::No => Some(started),
+        Wait::For(d) => Some(started + d),
+        Wait::Forever => None,
+    };
+    if let durable::Hold::Throttled = durable::through_hold(cap, deadline) {
+        cap.counters().bump(Counter::Throttled, 1);
+        return None;
+    }
+    Some(match wait {
+        Wait::For(d) => Wait::For(d.saturating_sub(started.elapsed())),
+        other => other,
+    })
+}
+
+/// No slot at first look (or waiters go first): throttled, or in line. Out of `acquire`'s
+/// frame, which the common case then keeps small.
+#[inline(never)]
+fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<Taken>, SlotError> {
+    if cap.waiters() == 0 {
         // Before saying "throttled": this session may have dropped one of its own slots' locks
         // earlier in this very transaction (transaction end would clear it), and leases may
         // have expired. Free those and look once more; without either, this costs two loads.
         let expired = expire_due(&cap);
         if held::reconcile_cap(&cap) + expired > 0 {
-            if let Some(got) = take(&cap, n, k, now, kind)? {
+            if let Some(got) = take(&cap, n, k, session::statement_start(), kind)? {
                 cap.counters().bump(Counter::Acquired, k as u64);
                 return Ok(Some(got));
             }
@@ -443,6 +463,7 @@ fn acquire(
 
 /// Takes `k` slots of `[0, n)`, all or none; `at` is their acquisition time. Leases are
 /// taken one at a time.
+#[inline(always)]
 pub(super) fn take(
     cap: &Cap,
     n: u32,
@@ -454,6 +475,11 @@ pub(super) fn take(
         // The common case, without the bookkeeping below.
         return Ok(search(cap, n, at, kind)?.map(Taken::One));
     }
+    take_many(cap, n, k, at)
+}
+
+#[inline(never)]
+fn take_many(cap: &Cap, n: u32, k: u32, at: i64) -> Result<Option<Taken>, SlotError> {
     let mut got = Vec::with_capacity(k as usize);
     while got.len() < k as usize {
         match search(cap, n, at, Kind::Session)? {
@@ -505,43 +531,9 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
                         });
                     }
                     // A lease is held by its token, not by this session: the lock only showed
-                    // that no raw advisory lock holds the slot. The set bit keeps others off it.
-                    Kind::Lease { ttl_us } => {
-                        locks::unlock(key, slot);
-                        let now = session::now();
-                        let expires_at = now.saturating_add(ttl_us);
-                        // Dropping `claim` on an error clears the bit.
-                        let _granting = cap.begin_grant();
-                        durable::check_room(cap, expires_at, token)?;
-                        let share = gucs::database_share();
-                        let limit = share::limit(gucs::max_leases() as u64, share);
-                        // On an error, dropping `claim` clears the bit.
-                        match cap.start_lease(
-                            slot,
-                            token,
-                            now,
-                            expires_at,
-                            session::user_id(),
-                            limit,
-                        ) {
-                            Ok(()) => {}
-                            Err(shmem::LeaseRefused::NoRecord) => {
-                                return Err(SlotError::NoLeaseRecord {
-                                    max_leases: gucs::max_leases(),
-                                })
-                            }
-                            Err(shmem::LeaseRefused::OverShare) => {
-                                return Err(SlotError::named(
-                                    cap.name(),
-                                    NamedError::Cap(CapError::OverShare {
-                                        pool: shmem::Pool::Leases,
-                                        share,
-                                        limit,
-                                    }),
-                                ))
-                            }
-                        }
-                    }
+                    // that no raw advisory lock holds the slot. The set bit keeps others off it;
+                    // on an error, dropping `claim` clears it.
+                    Kind::Lease { ttl_us } => grant_lease(cap, key, slot, token, ttl_us)?,
                 }
                 return Ok(Some(Got {
                     slot: claim.keep(),
@@ -559,6 +551,33 @@ fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotErr
         from = slot + 1; // dropping `claim` clears the bit
     }
     Ok(None)
+}
+
+/// Records a lease of `slot` (claimed, and just probed free of raw locks) with `token`, if the
+/// committed horizon covers it and the database has room in its share.
+#[inline(never)]
+fn grant_lease(cap: &Cap, key: i32, slot: u32, token: u64, ttl_us: i64) -> Result<(), SlotError> {
+    locks::unlock(key, slot);
+    let now = session::now();
+    let expires_at = now.saturating_add(ttl_us);
+    let _granting = cap.begin_grant();
+    durable::check_room(cap, expires_at, token)?;
+    let share = gucs::database_share();
+    let limit = share::limit(gucs::max_leases() as u64, share);
+    match cap.start_lease(slot, token, now, expires_at, session::user_id(), limit) {
+        Ok(()) => Ok(()),
+        Err(shmem::LeaseRefused::NoRecord) => Err(SlotError::NoLeaseRecord {
+            max_leases: gucs::max_leases(),
+        }),
+        Err(shmem::LeaseRefused::OverShare) => Err(SlotError::named(
+            cap.name(),
+            NamedError::Cap(CapError::OverShare {
+                pool: shmem::Pool::Leases,
+                share,
+                limit,
+            }),
+        )),
+    }
 }
 
 /// Frees the leases of `cap` that have expired, if one may have: counts and logs each; returns
@@ -751,32 +770,46 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     let name = check_name(cap)?;
     let slot = check_slot(slot)?;
     let key = shmem::cap_key(name);
-    let tracked = session::tracked_slot(key, slot);
+    // Untracked at once: from here on, it is released (below) or reported lost
+    // (`not_released`), and neither can fail in between.
+    let tracked = session::take_tracked(key, slot);
     // Counted on the cap if it exists here; a release never creates one. A tracked slot names
     // its cap (the only live one of this database with that key: keys do not collide), which
     // saves the lookup by name.
     let pinned = tracked
         .and_then(|h| shmem::pin(h.cap))
         .or_else(|| existing(name));
-    let count = |which| {
-        if let Some(cap) = &pinned {
-            cap.counters().bump(which, 1);
-        }
-    };
     // A tracked slot is held unless its lock was dropped behind our back earlier in this
     // transaction (transaction end reconciles), so go straight to the lock manager; an untracked
     // one is checked first, so that a foreign release does not draw core's WARNING too.
     if (tracked.is_some() || locks::held_by_me(key, slot)) && locks::unlock(key, slot) {
         if let Some(held) = tracked {
-            held::forget(pinned.as_ref(), held, Some(session::statement_start()));
+            held::drop_bookkeeping(pinned.as_ref(), held, Some(session::statement_start()));
         }
-        count(Counter::Released);
+        if let Some(cap) = &pinned {
+            cap.counters().bump(Counter::Released, 1);
+        }
         return Ok(Release::Released);
     }
+    not_released(pinned, tracked, key, slot)
+}
+
+/// The slot was not this session's (or its lock went behind the extension's back): counted
+/// as a foreign release, and who holds it now, for the WARNING.
+#[cold]
+#[inline(never)]
+fn not_released(
+    pinned: Option<Cap>,
+    tracked: Option<Held>,
+    key: i32,
+    slot: u32,
+) -> Result<Release, SlotError> {
     if let Some(held) = tracked {
         held::lost(pinned.as_ref(), held);
     }
-    count(Counter::ForeignReleases);
+    if let Some(cap) = &pinned {
+        cap.counters().bump(Counter::ForeignReleases, 1);
+    }
     Ok(Release::NotHeld {
         holder: locks::holder_of(key, slot),
     })

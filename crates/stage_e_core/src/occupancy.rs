@@ -58,7 +58,43 @@ impl Drop for Claim<'_> {
 }
 
 /// Claims the lowest clear slot in `[from, n)`, or returns `None` when every one is set.
+#[inline]
 pub fn claim_first_free(words: &[AtomicU64], from: u32, n: u32) -> Option<Claim<'_>> {
+    if n <= WORD_BITS && !words.is_empty() {
+        // One word (n <= 64, the common case), inline in the caller.
+        if from >= n {
+            return None;
+        }
+        let allowed = mask_below(0, n) & (u64::MAX << from);
+        let mut current = words[0].load(Ordering::Acquire);
+        loop {
+            let free = !current & allowed;
+            if free == 0 {
+                return None;
+            }
+            let bit = free.trailing_zeros();
+            match words[0].compare_exchange_weak(
+                current,
+                current | (1u64 << bit),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Some(Claim {
+                        words,
+                        slot: bit,
+                        kept: false,
+                    })
+                }
+                Err(now) => current = now,
+            }
+        }
+    }
+    claim_in_words(words, from, n)
+}
+
+#[inline(never)]
+fn claim_in_words(words: &[AtomicU64], from: u32, n: u32) -> Option<Claim<'_>> {
     let last_word = words_for(n).min(words.len());
     let mut w = (from / WORD_BITS) as usize;
     while w < last_word {
@@ -143,6 +179,28 @@ pub fn count(words: &[AtomicU64], n: u32) -> u32 {
 
 #[cfg(test)]
 mod unit {
+    #[test]
+    fn the_one_word_path_claims_what_the_general_one_does() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let bits = x & x.rotate_left(11); // about a quarter clear
+            let n = (x >> 58) as u32 + 1; // 1..=64
+            let from = ((x >> 40) as u32) % (n + 1);
+            let one = [AtomicU64::new(bits)];
+            let general = [AtomicU64::new(bits)];
+            let a = claim_first_free(&one, from, n).map(|c| c.keep());
+            let b = claim_in_words(&general, from, n).map(|c| c.keep());
+            assert_eq!(a, b, "bits {bits:#x} n {n} from {from}");
+            assert_eq!(
+                one[0].load(Ordering::Relaxed),
+                general[0].load(Ordering::Relaxed)
+            );
+        }
+    }
+
     use super::*;
     use std::collections::HashSet;
     use std::sync::Arc;
