@@ -65,69 +65,60 @@ pub fn claim_first_free(words: &[AtomicU64], from: u32, n: u32) -> Option<Claim<
         if from >= n {
             return None;
         }
-        let allowed = mask_below(0, n) & (u64::MAX << from);
-        let mut current = words[0].load(Ordering::Acquire);
-        loop {
-            let free = !current & allowed;
-            if free == 0 {
-                return None;
-            }
-            let bit = free.trailing_zeros();
-            match words[0].compare_exchange_weak(
-                current,
-                current | (1u64 << bit),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    return Some(Claim {
-                        words,
-                        slot: bit,
-                        kept: false,
-                    })
-                }
-                Err(now) => current = now,
-            }
-        }
+        let bit = claim_in(&words[0], mask_below(0, n) & (u64::MAX << from))?;
+        return Some(Claim {
+            words,
+            slot: bit,
+            kept: false,
+        });
     }
     claim_in_words(words, from, n)
 }
 
 #[inline(never)]
 fn claim_in_words(words: &[AtomicU64], from: u32, n: u32) -> Option<Claim<'_>> {
-    let last_word = words_for(n).min(words.len());
-    let mut w = (from / WORD_BITS) as usize;
-    while w < last_word {
+    let first = (from / WORD_BITS) as usize;
+    for (w, word) in words
+        .iter()
+        .enumerate()
+        .take(words_for(n).min(words.len()))
+        .skip(first)
+    {
         let mut allowed = mask_below(w, n);
-        if w == (from / WORD_BITS) as usize {
+        if w == first {
             allowed &= u64::MAX << (from % WORD_BITS);
         }
-        let mut current = words[w].load(Ordering::Acquire);
-        loop {
-            let free = !current & allowed;
-            if free == 0 {
-                break;
-            }
-            let bit = free.trailing_zeros();
-            match words[w].compare_exchange_weak(
-                current,
-                current | (1u64 << bit),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    return Some(Claim {
-                        words,
-                        slot: w as u32 * WORD_BITS + bit,
-                        kept: false,
-                    })
-                }
-                Err(now) => current = now,
-            }
+        if let Some(bit) = claim_in(word, allowed) {
+            return Some(Claim {
+                words,
+                slot: w as u32 * WORD_BITS + bit,
+                kept: false,
+            });
         }
-        w += 1;
     }
     None
+}
+
+/// Sets the lowest bit of `word` that is clear and in `allowed`; which one, if any.
+#[inline(always)]
+fn claim_in(word: &AtomicU64, allowed: u64) -> Option<u32> {
+    let mut current = word.load(Ordering::Acquire);
+    loop {
+        let free = !current & allowed;
+        if free == 0 {
+            return None;
+        }
+        let bit = free.trailing_zeros();
+        match word.compare_exchange_weak(
+            current,
+            current | (1u64 << bit),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => return Some(bit),
+            Err(now) => current = now,
+        }
+    }
 }
 
 /// Clears `slot`'s bit. Only the backend that claimed the slot calls this. SeqCst: a waiter
