@@ -88,8 +88,8 @@ pub(super) fn wait_in_line(
         reset_latch();
         let cap = shmem::pin(place).expect("a cap with waiters is never reclaimed");
         super::expire_due(&cap); // wakes the waiters that the freed slots serve, us included
-        if cap.may_take(ticket) {
-            if let Some(got) = super::take(&cap, n, k, session::now(), kind)? {
+        if let Some(from) = cap.may_take(ticket) {
+            if let Some(got) = super::take(&cap, n, k, from, session::now(), kind)? {
                 drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
                 counters.bump(Counter::WaitTime, waited());
