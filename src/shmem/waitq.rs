@@ -153,17 +153,15 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
         if !seated && w.n.load(Ordering::Relaxed) < e.front.widest() {
             return; // neither the seats nor the widest n change
         }
-        let mut queue: Vec<Seated> = seg
-            .waiters
-            .iter()
-            .filter(|o| {
-                o.active.load(Ordering::Relaxed) == 1
-                    && o.entry.load(Ordering::Relaxed) == cap.entry
-            })
-            .map(WaiterRecord::seated)
-            .collect();
-        queue.sort_by_key(|o| o.ticket);
-        e.front.reseat(&queue);
+        e.front.reseat(
+            seg.waiters
+                .iter()
+                .filter(|o| {
+                    o.active.load(Ordering::Relaxed) == 1
+                        && o.entry.load(Ordering::Relaxed) == cap.entry
+                })
+                .map(WaiterRecord::seated),
+        );
         if seated {
             // Only the seats that may take now: the release that frees the others' slots wakes
             // them. Waking in vain would cost every hand-off a second context switch.

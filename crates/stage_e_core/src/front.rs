@@ -135,19 +135,34 @@ impl Front {
         }
     }
 
-    /// After a waiter left (queue lock held): seats the first [`FRONT`] of `queue`, the waiters
-    /// still queued, in ticket order, and takes the widest n from them.
-    pub fn reseat(&self, queue: &[Seated]) {
+    /// After a waiter left (queue lock held): seats the first [`FRONT`] by ticket of `queue`,
+    /// the waiters still queued (in any order), and takes the widest n from all of them. One
+    /// pass, no allocation: the caller walks its list of waiters once.
+    pub fn reseat(&self, queue: impl IntoIterator<Item = Seated>) {
+        let mut first = Seats::default();
+        let mut widest = 0;
+        for w in queue {
+            widest = widest.max(w.n);
+            let at = first
+                .iter()
+                .position(|s| s.ticket > w.ticket)
+                .unwrap_or(first.len);
+            if at < FRONT {
+                let kept = first.len.min(FRONT - 1);
+                first.seated.copy_within(at..kept, at + 1);
+                first.seated[at] = w;
+                first.len = kept + 1;
+            }
+        }
         self.change(|seats| {
             for (i, seat) in seats.iter().enumerate() {
-                match queue.get(i) {
+                match first.get(i) {
                     Some(&w) => Self::fill(seat, w),
                     None => seat.process.store(0, SeqCst),
                 }
             }
         });
-        self.widest
-            .store(queue.iter().map(|w| w.n).max().unwrap_or(0), SeqCst);
+        self.widest.store(widest, SeqCst);
     }
 
     /// The largest n of the queued waiters (0: none): slots from here up are no waiter's.
@@ -290,22 +305,32 @@ mod unit {
             [0, 1, 2, 3]
         );
         assert_eq!(f.widest(), 9, "the widest n counts waiters without a seat");
-        // Ticket 1 leaves: 2, 3 move up, 4 is seated.
-        f.reseat(&[
-            w(1, 0, 4, 1),
-            w(3, 2, 4, 1),
-            w(4, 3, 4, 1),
-            w(5, 4, 4, 1),
+        // Ticket 1 leaves: 2, 3 move up, 4 is seated (the queue comes in any order).
+        f.reseat([
             w(6, 5, 9, 1),
+            w(4, 3, 4, 1),
+            w(1, 0, 4, 1),
+            w(5, 4, 4, 1),
+            w(3, 2, 4, 1),
         ]);
         assert_eq!(
             f.read().iter().map(|s| s.ticket).collect::<Vec<_>>(),
             [0, 2, 3, 4]
         );
         assert_eq!(f.widest(), 9);
-        f.reseat(&[w(5, 4, 4, 1)]);
+        let queue: Vec<Seated> = (0..9u64)
+            .rev()
+            .map(|t| w(t as usize + 1, t, t as u32 + 1, 1))
+            .collect();
+        f.reseat(queue.iter().copied());
+        assert_eq!(
+            f.read().iter().map(|s| s.ticket).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        assert_eq!(f.widest(), 9);
+        f.reseat([w(5, 4, 4, 1)]);
         assert_eq!((f.read().len(), f.widest()), (1, 4));
-        f.reseat(&[]);
+        f.reseat([]);
         assert!(f.read().is_empty() && !f.holds(4));
         assert_eq!(f.widest(), 0);
     }
@@ -592,7 +617,7 @@ mod unit {
                                             let mut q = queue.lock().unwrap();
                                             q.waiting.retain(|s| s.ticket != ticket);
                                             count.fetch_sub(1, Ordering::SeqCst);
-                                            front.reseat(&q.waiting);
+                                            front.reseat(q.waiting.iter().copied());
                                             wake(&front.to_wake(&bits, false));
                                         }
                                         hold(&slots, me as u64);
