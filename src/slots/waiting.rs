@@ -2,9 +2,9 @@
 //! backend's sleep. The queue itself is `shmem::waitq`.
 //!
 //! A call that waits joins its cap's queue and sleeps on its own latch, set by a release of its
-//! cap while it is at the front of the queue and may take (`stage_e_core::front`), and wakes at least
-//! every [`RECHECK`] to look again: the only wake-up the extension cannot send is for a slot
-//! freed by a raw `pg_advisory_unlock`. Each wake-up first frees the cap's expired leases.
+//! cap while it is at the front of the queue and may take (`stage_e_core::front`), and wakes
+//! at least every [`RECHECK`] to look again: the only wake-up the extension cannot send is for
+//! a slot freed by a raw `pg_advisory_unlock`. Each wake-up first frees the cap's expired leases.
 //! Interrupts are answered as everywhere in Postgres: `CHECK_FOR_INTERRUPTS` after each sleep
 //! raises the ERROR of a cancel or `statement_timeout` (the queue guard then leaves the queue
 //! while the ERROR unwinds) or exits for `pg_terminate_backend` (the exit hook leaves it), and

@@ -17,8 +17,8 @@
 //!   overtaken: nobody behind it takes below its n until it is served ([`plans`]).
 //!
 //! So a waiter gets its slots from the very next releases it can use, FIFO among the waiters
-//! whose ranges overlap, whatever the traffic of tries: nothing that arrived after it takes a
-//! slot of its range, and nothing behind it in the queue takes one it could use.
+//! that could use the same slots, whatever the traffic of tries: nothing that arrived after it
+//! takes a slot of its range, unless enough free ones are left for it and everyone ahead.
 //!
 //! **Seats** change under the caller's queue lock (joining, leaving); the release path and the
 //! waiters read them without it, through a seqlock (`version`, odd while seats are written), so
@@ -482,8 +482,9 @@ mod unit {
                         let mut taken: Vec<(usize, Vec<u32>)> = Vec::new();
                         for &i in &order {
                             let (n, k) = queue[i];
-                            let slots = claim(&b, plans[i].unwrap(), n, k)
-                                .unwrap_or_else(|| panic!("seat {i} of {queue:?} at {mask:#b}, order {order:?}, newcomer ({nn}, {nk}): not served"));
+                            let slots = claim(&b, plans[i].unwrap(), n, k).unwrap_or_else(|| {
+                                panic!("{mask:#b} {queue:?} {order:?} ({nn}, {nk}): {i} not served")
+                            });
                             taken.push((i, slots));
                         }
                         // Nobody took a slot a waiting seat ahead of it could use.
