@@ -194,6 +194,12 @@ def bench_waiting(cluster: Cluster) -> dict:
                                                            clients, n=1),
         "PostgreSQL blocking lock, 4 keys at random": lambda: pgbench(
             cluster, "pair_blocking.sql", clients, n=4),
+        # Equal contention on independent queues: every slot (key) has 8 clients, and every
+        # acquisition waits, as on a saturated cap.
+        "wait, 4 caps of n=1, clients spread evenly": lambda: pgbench(
+            cluster, "pair_wait_even.sql", clients, n=4),
+        "PostgreSQL blocking lock, 4 keys, clients spread evenly": lambda: pgbench(
+            cluster, "pair_blocking_even.sql", clients, n=4),
     })
     print("  fairness: 32 waiters on n = 4, each holding its slot 2 ms", flush=True)
     waits: list[float] = []

@@ -46,14 +46,19 @@ fn my_hazard() -> Option<&'static AtomicU64> {
 #[cold]
 #[inline(never)]
 fn find_my_hazard() -> Option<&'static AtomicU64> {
-    let seg = segment()?;
+    segment()?.hazards.get(my_procno()?).map(|h| &h.0)
+}
+
+/// This process's PGPROC number (None without one): the index of its hazard slot and of its
+/// waiter record.
+pub(super) fn my_procno() -> Option<usize> {
     #[cfg(feature = "pg15")]
     // SAFETY: MyProc is this process's PGPROC, set at start-up (null in the postmaster).
     let procno = unsafe { pg_sys::MyProc.as_ref().map(|p| p.pgprocno as usize) };
     #[cfg(feature = "pg18")]
     // SAFETY: MyProcNumber is set at start-up (-1 without a PGPROC).
     let procno = usize::try_from(unsafe { pg_sys::MyProcNumber }).ok();
-    seg.hazards.get(procno?).map(|h| &h.0)
+    procno
 }
 
 impl CapEntry {

@@ -1,16 +1,19 @@
 //! A cap's queue of waiters.
 //!
 //! A FIFO of tickets per cap (`tail` is the next one), with one record per waiting backend in
-//! the segment's list of waiters. The first `FRONT` waiters in ticket order sit in the entry's
-//! front seats and only they take slots (`stage_e_core::front`, which also states why no
-//! wake-up is lost). Joining and leaving take the waits LWLock; the release path reads the
-//! seats without it and sets the latches of the seats the free slots cover.
+//! the segment's list of waiters (a backend's own: the one of its PGPROC number). The first
+//! `FRONT` waiters in ticket order sit in the entry's front seats and only they take slots;
+//! while a cap has waiters, a call that is not queued takes only the slots no waiter can use
+//! (`stage_e_core::front`, which also states the rule and why no wake-up is lost). Joining and
+//! leaving take the waits LWLock; waiters and the release path read the seats without it (a
+//! seqlock) and set the latches of the seats that may take.
 //!
 //! A cap with waiters is never reclaimed (`caps`), so a waiter holds no pin while it sleeps and
 //! leaves the queue by its entry alone. The policy (who waits, for how long, what a wake-up
 //! does) is in `slots::waiting`.
 
 use super::entry::CapEntry;
+use super::pin::my_procno;
 use super::segment::{segment, waits_locked, EXCLUSIVE, SHARED};
 use super::Cap;
 use pgrx::pg_sys;
@@ -76,15 +79,21 @@ impl Cap {
         self.entry().waiters.load(Ordering::SeqCst)
     }
 
-    /// Whether the waiter holding `t` is at the front and the free slots cover it and every
-    /// seat ahead of it.
-    pub fn may_take(&self, t: Ticket) -> bool {
-        let bits = self.bits();
-        waits_locked(SHARED, || self.entry().front.may_take(t.ticket, bits))
+    /// Where the waiter holding `t` may take its slots now, from which slot up: None unless it
+    /// is seated and the free slots serve it without taking any a waiter ahead of it could use
+    /// (`stage_e_core::front::plans`).
+    pub fn may_take(&self, t: Ticket) -> Option<u32> {
+        self.entry().front.may_take(t.ticket, self.bits())
     }
 
-    /// After freeing slots: sets the latch of the head, and of every seat behind it that the
-    /// free slots cover.
+    /// Where a call that is not queued may take `k` slots of `[0, n)` while the cap has
+    /// waiters: from the widest n of the queue up, if k of those are free; else None.
+    pub fn newcomer(&self, n: u32, k: u32) -> Option<u32> {
+        self.entry().front.newcomer(n, k, self.bits())
+    }
+
+    /// After freeing slots: sets the latch of the head, and of every seat behind it that may
+    /// take now.
     pub fn wake_front(&self) {
         let e = self.entry();
         if e.waiters.load(Ordering::SeqCst) == 0 {
@@ -99,10 +108,11 @@ impl Cap {
         let seg = segment()?;
         let e = self.entry();
         waits_locked(EXCLUSIVE, || {
-            let record =
-                seg.waiters
-                    .iter()
-                    .position(|w| w.active.load(Ordering::Relaxed) == 0)? as u32;
+            // This backend's own record; were it taken (a bug), any free one.
+            let free = |i: &usize| seg.waiters[*i].active.load(Ordering::Relaxed) == 0;
+            let record = my_procno()
+                .filter(|i| *i < seg.waiters.len() && free(i))
+                .or_else(|| (0..seg.waiters.len()).find(free))? as u32;
             let w = &seg.waiters[record as usize];
             let ticket = e.tail.fetch_add(1, Ordering::SeqCst);
             // SAFETY: this backend's PGPROC and pid, set at start-up.
@@ -115,8 +125,11 @@ impl Cap {
             w.since.store(since, Ordering::Relaxed);
             w.proc_.store(me as u64, Ordering::Relaxed);
             w.active.store(1, Ordering::Release);
-            let before = e.waiters.fetch_add(1, Ordering::SeqCst) as usize;
+            // Seated (and its n in the widest) before the count shows it: a call that sees the
+            // count sees its n.
+            let before = e.waiters.load(Ordering::SeqCst) as usize;
             e.front.join(before, w.seated());
+            e.waiters.fetch_add(1, Ordering::SeqCst);
             Some(Ticket { record, ticket })
         })
     }
@@ -124,7 +137,8 @@ impl Cap {
 
 /// Leaves the queue of the cap in entry `cap.entry` (no pin needed: a cap with waiters is
 /// never reclaimed). If `t` had a front seat, the seats behind it move up, the next waiter is
-/// seated, and the seats the free slots now cover are woken.
+/// seated, and the seats that may take now are woken; the widest n of the queue is taken
+/// again if `t` may have been it.
 pub fn dequeue(cap: CapRef, t: Ticket) {
     let Some(seg) = segment() else { return };
     let e: &CapEntry = seg.entry(cap.entry);
@@ -135,23 +149,24 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
         }
         w.active.store(0, Ordering::Release);
         e.waiters.fetch_sub(1, Ordering::SeqCst);
-        if !e.front.holds(t.ticket) {
-            return;
+        let seated = e.front.holds(t.ticket);
+        if !seated && w.n.load(Ordering::Relaxed) < e.front.widest() {
+            return; // neither the seats nor the widest n change
         }
-        let mut queue: Vec<Seated> = seg
-            .waiters
-            .iter()
-            .filter(|o| {
-                o.active.load(Ordering::Relaxed) == 1
-                    && o.entry.load(Ordering::Relaxed) == cap.entry
-            })
-            .map(WaiterRecord::seated)
-            .collect();
-        queue.sort_by_key(|o| o.ticket);
-        e.front.reseat(&queue);
-        // Only the seats whose slots may be free now: the release that frees the others' wakes
-        // them. Waking in vain would cost every hand-off a second context switch.
-        wake(e.front.to_wake(seg.block(e).1, false));
+        e.front.reseat(
+            seg.waiters
+                .iter()
+                .filter(|o| {
+                    o.active.load(Ordering::Relaxed) == 1
+                        && o.entry.load(Ordering::Relaxed) == cap.entry
+                })
+                .map(WaiterRecord::seated),
+        );
+        if seated {
+            // Only the seats that may take now: the release that frees the others' slots wakes
+            // them. Waking in vain would cost every hand-off a second context switch.
+            wake(e.front.to_wake(seg.block(e).1, false));
+        }
     });
 }
 

@@ -282,8 +282,9 @@ fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
     }
 }
 
-/// `stage_e_try_slot(cap, n)`: the lowest free slot in `[0, n)` of the cap, now held by this
-/// session, or None (throttled, counted once).
+/// `stage_e_try_slot(cap, n)`: the lowest free slot in `[0, n)` of the cap (while it has
+/// waiters, of those no waiter can use), now held by this session, or None (throttled, counted
+/// once).
 pub fn try_slot(cap: Option<&str>, n: Option<i32>) -> Result<Option<u32>, SlotError> {
     Ok(try_slots(cap, n, Some(1), Wait::No)?.map(|t| t.first().slot))
 }
@@ -313,10 +314,12 @@ impl Taken {
 /// `stage_e_try_slots(cap, n, k, wait)` (and `stage_e_try_slot` with a wait): k distinct slots
 /// of `[0, n)`, all or none; waiting up to `wait` for them, in arrival order.
 ///
-/// Fairness: while a cap has waiters, a call that does not wait is throttled without looking,
-/// and a call that waits queues behind them; only waiters at the front of the queue take slots,
-/// each only when the free slots cover it and everyone ahead of it. So a waiter gets its slots
-/// from the very next releases, whatever the traffic of non-waiting tries.
+/// Fairness: while a cap has waiters, a call takes only slots that no waiter can use (from the
+/// largest n of the queue up), and a call that waits and finds none queues behind them; only
+/// waiters at the front of the queue take slots, each only slots that no waiter ahead of it
+/// could use, or while the free slots cover it and everyone ahead of it
+/// (`stage_e_core::front`). So a waiter gets its slots from the very next releases it can use,
+/// whatever the traffic of other calls, and a call on slots no waiter wants is not held back.
 pub fn try_slots(
     cap: Option<&str>,
     n: Option<i32>,
@@ -404,8 +407,10 @@ fn acquire(
             None => return Ok(None),
         }
     }
+    // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
+    // at the slots no waiter can use.
     if cap.waiters() == 0 {
-        if let Some(got) = take(&cap, n, k, now, kind)? {
+        if let Some(got) = take(&cap, n, k, 0, now, kind)? {
             cap.counters().bump(Counter::Acquired, k as u64);
             return Ok(Some(got));
         }
@@ -438,13 +443,23 @@ fn wait_out_hold(cap: &Cap, wait: Wait) -> Option<Wait> {
 /// frame, which the common case then keeps small.
 #[inline(never)]
 fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<Taken>, SlotError> {
-    if cap.waiters() == 0 {
+    let now = session::statement_start();
+    // With waiters, only the slots no waiter can use, if any of those are free.
+    let waiters = cap.waiters() != 0;
+    let from = if waiters { cap.newcomer(n, k) } else { Some(0) };
+    if let Some(from) = from {
+        if waiters {
+            if let Some(got) = take(&cap, n, k, from, now, kind)? {
+                cap.counters().bump(Counter::Acquired, k as u64);
+                return Ok(Some(got));
+            }
+        }
         // Before saying "throttled": this session may have dropped one of its own slots' locks
         // earlier in this very transaction (transaction end would clear it), and leases may
         // have expired. Free those and look once more; without either, this costs two loads.
         let expired = expire_due(&cap);
         if held::reconcile_cap(&cap) + expired > 0 {
-            if let Some(got) = take(&cap, n, k, session::statement_start(), kind)? {
+            if let Some(got) = take(&cap, n, k, from, now, kind)? {
                 cap.counters().bump(Counter::Acquired, k as u64);
                 return Ok(Some(got));
             }
@@ -461,28 +476,29 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
     waiting::wait_in_line(cap, n, k, deadline, kind)
 }
 
-/// Takes `k` slots of `[0, n)`, all or none; `at` is their acquisition time. Leases are
-/// taken one at a time.
+/// Takes `k` slots of `[from, n)`, all or none, the lowest free ones; `at` is their
+/// acquisition time. Leases are taken one at a time.
 #[inline(always)]
 pub(super) fn take(
     cap: &Cap,
     n: u32,
     k: u32,
+    from: u32,
     at: i64,
     kind: Kind,
 ) -> Result<Option<Taken>, SlotError> {
     if k == 1 {
         // The common case, without the bookkeeping below.
-        return Ok(search(cap, n, at, kind)?.map(Taken::One));
+        return Ok(search(cap, from, n, at, kind)?.map(Taken::One));
     }
-    take_many(cap, n, k, at)
+    take_many(cap, n, k, from, at)
 }
 
 #[inline(never)]
-fn take_many(cap: &Cap, n: u32, k: u32, at: i64) -> Result<Option<Taken>, SlotError> {
+fn take_many(cap: &Cap, n: u32, k: u32, from: u32, at: i64) -> Result<Option<Taken>, SlotError> {
     let mut got = Vec::with_capacity(k as usize);
     while got.len() < k as usize {
-        match search(cap, n, at, Kind::Session)? {
+        match search(cap, from, n, at, Kind::Session)? {
             Some(g) => got.push(g),
             None => break,
         }
@@ -509,12 +525,13 @@ fn take_many(cap: &Cap, n: u32, k: u32, at: i64) -> Result<Option<Taken>, SlotEr
     Ok(None)
 }
 
-/// Takes the lowest slot of `[0, n)` that is clear in the bitmap and free in the lock manager;
-/// `at` is recorded as a session slot's acquisition time (a lease's is the clock's now).
-fn search(cap: &Cap, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotError> {
+/// Takes the lowest slot of `[from, n)` that is clear in the bitmap and free in the lock
+/// manager; `at` is recorded as a session slot's acquisition time (a lease's is the clock's
+/// now).
+fn search(cap: &Cap, from: u32, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotError> {
     let key = cap.key();
     let (records, bits) = cap.block();
-    let mut from = 0;
+    let mut from = from;
     while let Some(claim) = occupancy::claim_first_free(bits, from, n) {
         let slot = claim.slot();
         match locks::try_lock(key, slot) {

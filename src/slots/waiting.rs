@@ -2,13 +2,14 @@
 //! backend's sleep. The queue itself is `shmem::waitq`.
 //!
 //! A call that waits joins its cap's queue and sleeps on its own latch, set by a release of its
-//! cap while it is at the front of the queue and covered by the free slots, and wakes at least
-//! every [`RECHECK`] to look again: the only wake-up the extension cannot send is for a slot
-//! freed by a raw `pg_advisory_unlock`. Each wake-up first frees the cap's expired leases.
+//! cap while it is at the front of the queue and may take (`stage_e_core::front`), and wakes
+//! at least every [`RECHECK`] to look again: the only wake-up the extension cannot send is for
+//! a slot freed by a raw `pg_advisory_unlock`. Each wake-up first frees the cap's expired leases.
 //! Interrupts are answered as everywhere in Postgres: `CHECK_FOR_INTERRUPTS` after each sleep
 //! raises the ERROR of a cancel or `statement_timeout` (the queue guard then leaves the queue
 //! while the ERROR unwinds) or exits for `pg_terminate_backend` (the exit hook leaves it), and
-//! the client's socket is checked each time, so a client that went away ends the wait too.
+//! the client's socket is checked at every timed-out sleep (at least every [`RECHECK`] or two),
+//! so a client that went away ends the wait too.
 
 use super::{Kind, SlotError, Taken};
 use crate::ffi;
@@ -45,21 +46,29 @@ pub fn reset_latch() {
     unsafe { pg_sys::ResetLatch(pg_sys::MyLatch) };
 }
 
-/// Sleeps until the latch is set or `timeout` passes, then answers interrupts and checks that
-/// the client is still there.
-pub fn sleep(timeout: Duration) {
+/// Sleeps until the latch is set or `timeout` passes, then answers interrupts and, when the
+/// sleep ran out or `checked` (when the client was last looked at) is [`RECHECK`] old, checks
+/// that the client is still there. A waiter woken by a release does not poll its socket (two
+/// `epoll_ctl` and an `epoll_wait`, a fifth of a hand-off's system calls); one left alone times
+/// out every [`RECHECK`] and looks, and one woken in vain again and again looks at least every
+/// second [`RECHECK`].
+pub fn sleep(timeout: Duration, checked: &mut std::time::Instant) {
     let ms = timeout.as_millis().clamp(1, RECHECK.as_millis()) as std::ffi::c_long;
     let events = (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32;
     // SAFETY: WaitLatch on our own latch; it may exit the process on postmaster death, which
     // runs the exit hook. An ERROR inside arrives as a Rust panic and unwinds the caller's guard.
-    unsafe { pg_sys::WaitLatch(pg_sys::MyLatch, events, ms, wait_event()) };
-    // SAFETY: the poll runs only with a client connection. A client that went away is reported
-    // the way client_connection_check_interval does, by CHECK_FOR_INTERRUPTS below (FATAL:
-    // connection to client lost).
-    unsafe {
-        if !pg_sys::MyProcPort.is_null() && !ffi::client_connected() {
-            pg_sys::ClientConnectionLost = 1;
-            pg_sys::InterruptPending = 1;
+    let rc = unsafe { pg_sys::WaitLatch(pg_sys::MyLatch, events, ms, wait_event()) };
+    let now = std::time::Instant::now();
+    if rc & pg_sys::WL_TIMEOUT as i32 != 0 || now.duration_since(*checked) >= RECHECK {
+        *checked = now;
+        // SAFETY: the poll runs only with a client connection. A client that went away is
+        // reported the way client_connection_check_interval does, by CHECK_FOR_INTERRUPTS
+        // below (FATAL: connection to client lost).
+        unsafe {
+            if !pg_sys::MyProcPort.is_null() && !ffi::client_connected() {
+                pg_sys::ClientConnectionLost = 1;
+                pg_sys::InterruptPending = 1;
+            }
         }
     }
     pgrx::check_for_interrupts!();
@@ -84,12 +93,13 @@ pub(super) fn wait_in_line(
                // hook) the process exiting.
     let queued = Queued::new(place, ticket);
     let waited = || (session::now() - started).max(0) as u64;
+    let mut checked = std::time::Instant::now();
     loop {
         reset_latch();
         let cap = shmem::pin(place).expect("a cap with waiters is never reclaimed");
         super::expire_due(&cap); // wakes the waiters that the freed slots serve, us included
-        if cap.may_take(ticket) {
-            if let Some(got) = super::take(&cap, n, k, session::now(), kind)? {
+        if let Some(from) = cap.may_take(ticket) {
+            if let Some(got) = super::take(&cap, n, k, from, session::now(), kind)? {
                 drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
                 counters.bump(Counter::WaitTime, waited());
@@ -105,7 +115,7 @@ pub(super) fn wait_in_line(
             counters.bump(Counter::WaitTime, waited());
             return Ok(None);
         }
-        sleep(left.unwrap_or(RECHECK).min(RECHECK));
+        sleep(left.unwrap_or(RECHECK).min(RECHECK), &mut checked);
     }
 }
 

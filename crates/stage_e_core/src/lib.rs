@@ -11,7 +11,8 @@
 //! - `counters`: the one list of counters, their values and the pending-counts file;
 //! - `layout`: where each part of the shared segment starts, from the settings;
 //! - `state`: a cap entry's state word (generation, lock bit, counted pins) and hazard pins;
-//! - `front`: the front seats of a cap's queue of waiters;
+//! - `front`: the front seats of a cap's queue of waiters, and which slots a call may take while
+//!   the cap has waiters;
 //! - `lease`: a lease record's states and fencing-token arithmetic;
 //! - `lifecycle`: the durable horizon and token floor, start kinds, the lease file;
 //! - `load`: exponentially weighted load averages;

@@ -135,6 +135,23 @@ pub fn free_below(words: &[AtomicU64], n: u32) -> u32 {
         .sum()
 }
 
+/// Number of clear bits in `[lo, hi)`: the free slots a call may take from `lo` up.
+pub fn free_between(words: &[AtomicU64], lo: u32, hi: u32) -> u32 {
+    if lo >= hi {
+        return 0;
+    }
+    let first = (lo / WORD_BITS) as usize;
+    (first..words_for(hi).min(words.len()))
+        .map(|w| {
+            let mut allowed = mask_below(w, hi);
+            if w == first {
+                allowed &= u64::MAX << (lo % WORD_BITS);
+            }
+            (!words[w].load(Ordering::SeqCst) & allowed).count_ones()
+        })
+        .sum()
+}
+
 /// How many waiters at the front of a queue may take slots now, front to back: waiter `i` asks
 /// for `k` of `[0, n)` as `front[i] = (n, k)`, and may take only while the slots free below the
 /// smallest `n` up to it cover its own `k` and those of everyone ahead (who may be taking at the
@@ -280,6 +297,31 @@ mod unit {
         assert_eq!(free_below(&b, 71), 1);
         clear(&b, 3);
         assert_eq!(free_below(&b, 64), 1);
+    }
+
+    #[test]
+    fn free_between_counts_clear_bits_in_a_range() {
+        let b = bitmap(200);
+        for s in [0u32, 5, 63, 64, 130] {
+            claim_first_free(&b, s, s + 1).unwrap().keep();
+        }
+        for (lo, hi) in [
+            (0, 200),
+            (0, 1),
+            (1, 5),
+            (5, 6),
+            (6, 64),
+            (60, 70),
+            (64, 65),
+            (65, 131),
+            (131, 200),
+            (7, 7),
+            (9, 3),
+        ] {
+            let want = (lo..hi).filter(|&s| !is_set(&b, s)).count() as u32;
+            assert_eq!(free_between(&b, lo, hi), want, "[{lo}, {hi})");
+        }
+        assert_eq!(free_between(&b, 0, 70), free_below(&b, 70));
     }
 
     #[test]
