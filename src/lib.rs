@@ -8,9 +8,9 @@
 //!   versions' symbols), `errors` (how failures are reported);
 //! - the logic: `slots` (acquire, release, leases; `slots::waiting`, the wait policy;
 //!   `slots::held`, what happens to slots whose lock went away; `slots::durable`, the lifecycle
-//!   rules a call keeps), `flush` (durable counts), `durable` (loading and advancing the lease
-//!   horizons),
-//!   `worker` (the launcher and flushers), `hooks` (exit and transaction-end callbacks);
+//!   rules a call keeps; `slots::views`, what the views read), `flush` (durable counts),
+//!   `durable` (loading and advancing the lease horizons), `worker` (the launcher and
+//!   flushers), `hooks` (exit and transaction-end callbacks, and `DROP EXTENSION`);
 //! - this backend and Postgres: `session` (this backend's state, a leaf), `locks` (the lock
 //!   manager), `shmem` (shared state, one file per concern), `sql` (every statement we run),
 //!   `gucs` (settings), `ffi` (calls made without pgrx's guard), `names` (text in the server
