@@ -302,18 +302,19 @@ def test_growing_a_pinned_cap_does_not_stall_other_databases(dc):
         return one(observer, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
                             "AND state = 'active'", (name,)) == 1
 
+    def start_waiting(name, query):
+        """Runs `query` in a thread and returns it once the call is seen waiting."""
+        thread = threading.Thread(target=run, args=(name, query))
+        thread.start()
+        wait_for(lambda: active(name) or results.get(name + "_done"), timeout=10,
+                 what=f"the {name} to wait")
+        assert name + "_done" not in results, results
+        return thread
+
     # A cap's first lease waits for the launcher to commit its horizon: blocked by the lock.
-    lease = threading.Thread(target=run, args=(
-        "leaser", "SELECT slot FROM stage_e_lease('grown', 1, '1 min')"))
-    lease.start()
-    wait_for(lambda: active("leaser") or results.get("leaser_done"), timeout=10, what="the lease to wait")
-    assert "leaser_done" not in results, results
+    lease = start_waiting("leaser", "SELECT slot FROM stage_e_lease('grown', 1, '1 min')")
     time.sleep(0.3)
-    grow = threading.Thread(target=run, args=(
-        "grower", "SELECT stage_e_try_slot('grown', 1000)"))
-    grow.start()
-    wait_for(lambda: active("grower") or results.get("grower_done"), timeout=10, what="the grow to wait")
-    assert "grower_done" not in results, results
+    grow = start_waiting("grower", "SELECT stage_e_try_slot('grown', 1000)")
     time.sleep(0.1)
     other = connect(dc, "elsewhere")
     one(other, "SELECT 1")
