@@ -127,9 +127,11 @@ fn make_cap(db: u32, name: &str, n: u32) -> Result<Cap, String> {
     let n = n.clamp(1, gucs::max_slots());
     let fail = |e| format!("cap \"{name}\" could not be held back: {e}");
     loop {
-        let cap = shmem::create(db, name, n, session::database_exists)
-            .map_err(fail)?
-            .ok_or("not preloaded")?;
+        let cap = shmem::create(db, name, n, session::database_exists, &|covered| {
+            crate::keys::book(name, covered)
+        })
+        .map_err(fail)?
+        .ok_or("not preloaded")?;
         if cap.capacity() >= n {
             return Ok(cap);
         }

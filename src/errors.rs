@@ -387,9 +387,24 @@ pub fn describe_cap(cap: &str, e: &CapError) -> Described {
                  they would share slots. Cap \"{other}\" is in use."
             ),
             Some(format!(
-                "Rename one of the caps (stage_e_cap_key(name) shows a name's key), or, if \
-                 \"{other}\" is default, change stage_e_slots.lock_key."
+                "Update the extension (ALTER EXTENSION stage_e_slots UPDATE): since 0.7.0 a \
+                 name whose key collides gets a key of its own. Until then rename one of the \
+                 caps (stage_e_cap_key(name) shows a name's key), or, if \"{other}\" is \
+                 default, change stage_e_slots.lock_key."
             )),
+        ),
+        CapError::KeysExhausted { covered } => said(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            format!("cap \"{cap}\" found no free lock key"),
+            format!(
+                "All {covered} keys of its probe sequence are used by other caps of this \
+                 database or recorded by their counter rows."
+            ),
+            Some(
+                "Delete the counter rows of caps no longer used (or set \
+                 stage_e_slots.counter_retention), or use another name."
+                    .into(),
+            ),
         ),
         CapError::OverShare { pool, share, limit } => said(
             ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
@@ -566,6 +581,10 @@ impl std::fmt::Display for CapError {
             CapError::KeyCollision { other, key } => write!(
                 f,
                 "it has the same lock key ({key}) as cap \"{other}\", which is in use"
+            ),
+            CapError::KeysExhausted { covered } => write!(
+                f,
+                "all {covered} keys of its probe sequence are taken by other caps"
             ),
             CapError::Busy => f.write_str("it stayed in use while it was being resized"),
             CapError::OverShare { pool, share, limit } => write!(

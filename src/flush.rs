@@ -67,14 +67,14 @@ pub fn flush(
     for r in shmem::cap_refs(session::database()) {
         // Pinned only while taking the role (a flush must not keep creators from reclaiming
         // other caps); the role then keeps the cap from being reclaimed.
-        let Some((role, name)) = shmem::pin(r).and_then(|cap| {
-            let name = cap.name();
+        let Some((role, name, key)) = shmem::pin(r).and_then(|cap| {
+            let (name, key) = (cap.name(), cap.key());
             let skip = only.is_some_and(|o| o != name)
                 || (!ext.version.has_named_caps() && name != DEFAULT_CAP);
             if skip {
                 return None;
             }
-            become_flusher(&cap, me, wait).map(|role| (role, name))
+            become_flusher(&cap, me, wait).map(|role| (role, name, key))
         }) else {
             continue;
         };
@@ -84,17 +84,18 @@ pub fn flush(
             role.abort(); // nothing new: give the role back, write no row
             continue;
         }
-        taken.push((role, name, read, delta));
+        taken.push((role, (name, key), read, delta));
     }
     let id = shmem::next_flush_id(session::statement_start().max(0) as u64);
     for (role, _, _, delta) in &taken {
         role.set_inflight(id, *delta);
     }
+    let keys: Vec<i32> = taken.iter().map(|(_, (_, key), _, _)| *key).collect();
     // From here on the transaction's end settles the flush, whichever way it ends.
     crate::hooks::ensure();
     let written: Vec<(String, CounterValues)> = taken
         .iter()
-        .map(|(_, name, _, delta)| (name.clone(), *delta))
+        .map(|(_, (name, _), _, delta)| (name.clone(), *delta))
         .collect();
     session::flush_started(
         taken
@@ -103,7 +104,7 @@ pub fn flush(
             .collect(),
     );
     match write {
-        Write::Add if !written.is_empty() => add(&ext, &written, id)?,
+        Write::Add if !written.is_empty() => add(&ext, &written, &keys, id)?,
         Write::Add => {}
         Write::Reset => reset(&ext, only, id)?,
     }
@@ -124,8 +125,15 @@ fn become_flusher(cap: &Cap, me: i32, wait: bool) -> Option<Flushed> {
 }
 
 /// One statement adding every cap's delta to its row (`sql::counter_add_query`). Only the
-/// counter columns the database's table has are written (`SchemaVersion::counter_columns`).
-fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(), FlushError> {
+/// counter columns the database's table has are written (`SchemaVersion::counter_columns`),
+/// and since 0.7.0 each cap's lock key (`keys`, in the order of `deltas`), which `keys`
+/// reads back.
+fn add(
+    ext: &Extension,
+    deltas: &[(String, CounterValues)],
+    keys: &[i32],
+    id: u64,
+) -> Result<(), FlushError> {
     let n = ext.version.counter_columns();
     let query = sql::counter_add_query(ext);
     let id = id as i64;
@@ -158,6 +166,9 @@ fn add(ext: &Extension, deltas: &[(String, CounterValues)], id: u64) -> Result<(
             }
         }
         args.push(id.into());
+        if ext.version.has_key_records() {
+            args.push(keys.to_vec().into());
+        }
         args
     };
     sql::write(&query, &args).map_err(FlushError::Spi)

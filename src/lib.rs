@@ -12,7 +12,8 @@
 //!   `durable` (loading and advancing the lease horizons), `worker` (the launcher and
 //!   flushers), `hooks` (exit and transaction-end callbacks, and `DROP EXTENSION`);
 //! - this backend and Postgres: `session` (this backend's state, a leaf), `locks` (the lock
-//!   manager), `shmem` (shared state, one file per concern), `sql` (every statement we run),
+//!   manager), `keys` (which advisory locks are a cap's slots), `shmem` (shared state, one
+//!   file per concern), `sql` (every statement we run),
 //!   `gucs` (settings), `ffi` (calls made without pgrx's guard), `names` (text in the server
 //!   encoding: names are UTF-8 inside, converted at the edge);
 //! - no server at all: the `stage_e_core` crate (slot bitmap, arena, directory, counters, the
@@ -27,6 +28,7 @@ mod ffi;
 mod flush;
 mod gucs;
 mod hooks;
+mod keys;
 mod locks;
 mod names;
 mod session;

@@ -362,18 +362,43 @@ pub fn counter_add_query(ext: &Extension) -> String {
     } else {
         // ROWS FROM with one unnest per array: the multi-argument unnest shorthand only
         // exists unqualified.
-        let arrays: Vec<String> = (1..=n + 1)
+        let mut arrays: Vec<String> = (1..=n + 1)
             .map(|i| format!("pg_catalog.unnest(${i})"))
             .collect();
+        // Since 0.7.0 the row records its cap's lock key too (`$n+3`, see src/keys.rs).
+        let (key_col, key_value, key_set) = if ext.version.has_key_records() {
+            arrays.push(format!("pg_catalog.unnest(${})", n + 3));
+            (
+                ", lock_key",
+                ", u.lock_key",
+                ", lock_key = excluded.lock_key",
+            )
+        } else {
+            ("", "", "")
+        };
+        let values: Vec<String> = names.iter().map(|c| format!("u.{c}")).collect();
         format!(
-            "INSERT INTO {schema}.stage_e_throttle_counter AS t (cap, {cols}, flushed_at, flush_id) \
-             SELECT u.*, pg_catalog.now(), ${} FROM ROWS FROM ({}) AS u (cap, {cols}) \
+            "INSERT INTO {schema}.stage_e_throttle_counter AS t \
+               (cap, {cols}, flushed_at, flush_id{key_col}) \
+             SELECT u.cap, {}, pg_catalog.now(), ${}{key_value} \
+               FROM ROWS FROM ({}) AS u (cap, {cols}{key_col}) \
              ON CONFLICT (cap) DO UPDATE SET {set}, flushed_at = excluded.flushed_at, \
-               flush_id = excluded.flush_id",
+               flush_id = excluded.flush_id{key_set}",
+            values.join(", "),
             n + 2,
             arrays.join(", "),
         )
     }
+}
+
+/// Since 0.7.0: the keys counter rows record for cap `$1`, and which rows record any of the
+/// keys `$2` (int4[]): `(cap, lock_key)`. The index on `lock_key` serves the second half.
+pub fn key_book_query(ext: &Extension) -> String {
+    format!(
+        "SELECT cap, lock_key FROM {}.stage_e_throttle_counter \
+          WHERE cap OPERATOR(pg_catalog.=) $1 OR lock_key OPERATOR(pg_catalog.=) ANY ($2)",
+        ext.schema
+    )
 }
 
 /// Zeroes the rows: `$1` the flush id; with `one_cap` (since 0.2.0), `$2` the cap.
@@ -402,8 +427,9 @@ pub fn counter_reset_query(ext: &Extension, one_cap: bool) -> String {
     )
 }
 
-/// The counter rows as `(cap, counters…, flushed_at text, flush_id)`, times as microseconds
-/// (bigint), ordered by cap. A database at 0.1.0 has one row and no cap column: `default`.
+/// The counter rows as `(cap, counters…, flushed_at text, flush_id, lock_key)`, times as
+/// microseconds (bigint), ordered by cap. A database at 0.1.0 has one row and no cap column:
+/// `default`; before 0.7.0 `lock_key` is NULL.
 pub fn counter_rows_query(ext: &Extension) -> String {
     let cols: Vec<String> = counter_names(ext)
         .iter()
@@ -418,8 +444,13 @@ pub fn counter_rows_query(ext: &Extension) -> String {
             }
         })
         .collect();
+    let key = if ext.version.has_key_records() {
+        "lock_key"
+    } else {
+        "NULL::pg_catalog.int4"
+    };
     format!(
-        "SELECT {}, {}, flushed_at::pg_catalog.text, flush_id \
+        "SELECT {}, {}, flushed_at::pg_catalog.text, flush_id, {key} \
            FROM {}.stage_e_throttle_counter ORDER BY 1",
         cap_column(ext),
         cols.join(", "),

@@ -1,5 +1,5 @@
-"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0 and 0.5.0, with data
-and holders, against the current library; and the updated schema against a fresh install's."""
+"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0 and 0.6.0, with
+data and holders, against the current library; and the updated schema against a fresh install's."""
 
 import tomllib
 from pathlib import Path
@@ -396,5 +396,49 @@ def test_a_0_5_0_database_keeps_0_5_0_behaviour_until_updated_then_its_leases_ou
                              ).fetchall() == [(0, lease[1])]
         c.create_database("fresh6")
         assert describe(c, "v050") == describe(c, "fresh6")
+    finally:
+        c.destroy()
+
+
+def test_a_0_6_0_database_refuses_a_colliding_name_until_updated_then_records_every_key():
+    """The 0.7.0 library serves a 0.6.0 database as 0.6.0 did: a name colliding with a cap in
+    use is refused (42710). The update keeps the holder and the counts, records each row's key
+    (the one its cap had: the FNV key, and stage_e_slots.lock_key for `default`), and from then
+    on the colliding name gets a key of its own."""
+    c = Cluster("upgrade060", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
+    try:
+        c.create_database("v060", extension=False)
+        c.sql("CREATE EXTENSION stage_e_slots VERSION '0.6.0'", dbname="v060")
+        with c.connect("v060", "holder") as holder, c.connect("v060", "other") as other:
+            assert one(holder, "SELECT stage_e_try_slot('exports', 2)") == 0
+            assert one(holder, "SELECT stage_e_try_slot(1)") == 0
+            lease = holder.execute("SELECT * FROM stage_e_lease('jobs', 1, '1 hour')"
+                                   ).fetchone()
+            holder.execute("SELECT stage_e_flush()")
+            with pytest.raises(errors.DuplicateObject, match='as cap "exports"'):
+                other.execute("SELECT stage_e_try_slot('sq4130751234', 1)")
+            keys = dict(other.execute(
+                "SELECT cap, stage_e_cap_key(cap) FROM stage_e_throttle_counter").fetchall())
+            assert keys == {"default": KEY, "exports": 1_751_787_301,
+                            "jobs": one(other, "SELECT stage_e_cap_key('jobs')")}
+
+            other.execute("ALTER EXTENSION stage_e_slots UPDATE")
+            assert one(other, "SELECT extversion FROM pg_extension "
+                              "WHERE extname = 'stage_e_slots'") == CURRENT
+            assert dict(other.execute("SELECT cap, lock_key FROM stage_e_throttle_counter"
+                                      ).fetchall()) == keys
+            assert other.execute("SELECT cap, acquired FROM stage_e_throttle_counter "
+                                 "ORDER BY cap").fetchall() == [
+                ("default", 1), ("exports", 1), ("jobs", 1)]
+            assert one(holder, "SELECT stage_e_holding('exports', 0)") is True
+            assert other.execute("SELECT cap, slot, token FROM stage_e_slot_holders "
+                                 "ORDER BY cap").fetchall() == [
+                ("default", 0, None), ("exports", 0, None), ("jobs", 0, lease[1])]
+            # Now the colliding name gets its next key, and both caps hold slot 0.
+            assert one(other, "SELECT stage_e_try_slot('sq4130751234', 1)") == 0
+            assert one(other, "SELECT stage_e_cap_key('sq4130751234')") != 1_751_787_301
+            assert one(holder, "SELECT stage_e_release('exports', 0)") is True
+        c.create_database("fresh7")
+        assert describe(c, "v060") == describe(c, "fresh7")
     finally:
         c.destroy()

@@ -111,7 +111,8 @@ fn stage_e_slot_token(cap: Option<CapArg<'_>>, slot: Option<i32>) -> Option<i64>
 }
 
 /// The first int4 of the advisory locks of `cap`: slot s of the cap is the lock
-/// `(stage_e_cap_key(cap), s)`. The same on every server and after every restart.
+/// `(stage_e_cap_key(cap), s)`. The same on every server and after every restart for as long
+/// as the cap's counter row lives (src/keys.rs).
 #[pg_extern(stable, parallel_safe)]
 fn stage_e_cap_key(cap: Option<CapArg<'_>>) -> i32 {
     slots::cap_key(cap.as_deref()).unwrap_or_else(|e| raise(e))

@@ -24,6 +24,8 @@ struct Joined {
     row: Option<usize>,
     pending: CounterValues,
     held: u32,
+    /// The live cap's key.
+    key: Option<i32>,
 }
 
 #[derive(Serialize)]
@@ -110,6 +112,7 @@ pub fn snapshot_document() -> serde_json::Value {
                     CounterValues::from_array(v),
                     row.get::<Text>(n + 2)?.map(String::from),
                     row.get::<i64>(n + 3)?.unwrap_or(0),
+                    row.get::<i32>(n + 4)?,
                 ))
             })
             .collect::<Result<Vec<_>, pgrx::spi::Error>>()?;
@@ -144,6 +147,7 @@ pub fn snapshot_document() -> serde_json::Value {
     for s in &stats {
         if let Some(j) = by_name.get_mut(s.cap.as_str()) {
             j.held = s.held;
+            j.key = Some(s.key);
         }
     }
     let caps_total = by_name.len();
@@ -167,7 +171,11 @@ pub fn snapshot_document() -> serde_json::Value {
             let row = j.row.map(|i| &rows[i]);
             let flushed = row.map(|r| r.1).unwrap_or_default();
             SnapshotCap {
-                key: shmem::cap_key(cap),
+                // The live cap's key, else the one its row records (see src/keys.rs).
+                key: j
+                    .key
+                    .or(row.and_then(|r| r.4))
+                    .unwrap_or_else(|| shmem::first_key(cap)),
                 held: j.held,
                 totals: flushed.plus(j.pending),
                 flushed,

@@ -90,9 +90,7 @@ fn stage_e_reset_stats() {
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_reset_stats")]
 fn stage_e_reset_stats_cap(cap: Option<CapArg<'_>>) {
     let cap = cap.as_deref();
-    let cap = slots::cap_key(cap)
-        .map(|_| cap)
-        .unwrap_or_else(|e| raise(e));
+    let cap = Some(slots::valid_cap(cap).unwrap_or_else(|e| raise(e)));
     reset(cap)
 }
 

@@ -37,8 +37,11 @@ pub enum CapError {
     NoEntry { max_caps: u32, held: u32 },
     /// The arena has no block large enough.
     NoMemory { slots: u32 },
-    /// Another cap of this database uses the same lock key.
+    /// Another cap of this database uses the same lock key (a key that cannot move: the
+    /// `default` cap's, or any key in a database not yet updated to 0.7.0).
     KeyCollision { other: String, key: i32 },
+    /// Every key the book covers is held (the create reads the book again, covering more).
+    KeysExhausted { covered: u32 },
     /// The cap stayed pinned too long to be grown (a backend died mid-call).
     Busy,
     /// This database holds its share (`stage_e_slots.database_share`, `share` percent) of
@@ -59,14 +62,57 @@ const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(1_000);
 /// How long a create retries a cap on its key that is idle but busy for a moment.
 const COLLISION_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// The lock key of cap `name`: `stage_e_slots.lock_key` for `default`, else the name's hash.
-pub fn cap_key(name: &str) -> i32 {
+/// How a create finds the new cap's lock key (see `src/keys.rs`).
+#[derive(Clone, Copy)]
+pub enum KeyChoice<'a> {
+    /// This key, refused if another cap uses it unless that cap is idle (then it goes): the
+    /// `default` cap, a database not yet updated to 0.7.0, a cap restored from a file.
+    Fixed(i32),
+    /// The key `directory::pick_key` picks from this book and the live caps.
+    Book(&'a directory::KeyBook),
+}
+
+/// The first lock key of cap `name` before its book is read: `stage_e_slots.lock_key` for
+/// `default`, else the first key of the name's probe sequence (its key in a database before
+/// 0.7.0, and in every database unless it collided).
+pub fn first_key(name: &str) -> i32 {
     if name == directory::DEFAULT_CAP {
         gucs::lock_key()
     } else {
         directory::name_key(name)
     }
 }
+
+/// The lock key of the live cap `(db, name)`, else the one a create would pick now from
+/// `book` (None: the name's key is fixed, [`first_key`]).
+pub fn key_now(db: u32, name: &str, book: &dyn Fn(u32) -> Option<directory::KeyBook>) -> i32 {
+    let Some(seg) = segment() else {
+        return first_key(name);
+    };
+    let mut covered = keys_covered_first();
+    loop {
+        let Some(book) = book(covered) else {
+            return first_key(name);
+        };
+        let found = directory_locked(SHARED, || match seg.find(db, name) {
+            Some(i) => directory::Pick::Key(seg.entry(i).key()),
+            None => directory::pick_key(name, &book, |k| seg.key_taken(db, name, k)),
+        });
+        match found {
+            directory::Pick::Key(k) => return k,
+            directory::Pick::Exhausted => covered = covered.saturating_mul(4),
+        }
+    }
+}
+
+/// How many probe keys a book covers at first: a name collides rarely, and each key a
+/// squatter holds took it a brute-force search.
+fn keys_covered_first() -> u32 {
+    16
+}
+
+/// Past this many probe keys, a create gives up (every one held: see `src/keys.rs`).
+const MAX_KEYS_COVERED: u32 = 1 << 20;
 
 impl CapEntry {
     /// Nothing refers to the cap but its entry: no flush, no waiter, nothing pending, no hold.
@@ -99,22 +145,32 @@ impl Segment {
             .any(|w| w.load(Ordering::Acquire) != 0)
     }
 
-    /// Under the exclusive lock: the cap `(db, name)`, created with room for `slots` slots.
-    /// `exists` says whether a database still exists.
-    pub(super) fn create(
-        &self,
-        db: u32,
-        name: &str,
-        key: i32,
-        slots: u32,
-        share: u32,
-        exists: &dyn Fn(u32) -> bool,
-    ) -> Result<CapRef, CapError> {
-        if let Some(i) = self.find(db, name) {
-            return Ok(self.cap_ref(i));
-        }
-        // Two caps of one database on one lock key would share slots: refuse the newcomer,
-        // unless the other cap is idle (then it goes, and comes back refused if used again).
+    /// Under the directory lock: whether key `k` is taken for cap `name` of database `db` (a
+    /// live cap of `db` uses it, or it is the `default` cap's).
+    fn key_taken(&self, db: u32, name: &str, k: i32) -> bool {
+        (name != directory::DEFAULT_CAP && k == gucs::lock_key())
+            || self
+                .entries
+                .iter()
+                .any(|e| e.database() == db && e.key() == k)
+    }
+
+    /// Under the exclusive lock: the key of the new cap `(db, name)`. Two caps of one database
+    /// on one lock key would share slots, so no key is ever given twice.
+    fn new_key(&self, db: u32, name: &str, choice: KeyChoice) -> Result<i32, CapError> {
+        let key = match choice {
+            KeyChoice::Book(book) => {
+                return match directory::pick_key(name, book, |k| self.key_taken(db, name, k)) {
+                    directory::Pick::Key(k) => Ok(k),
+                    directory::Pick::Exhausted => Err(CapError::KeysExhausted {
+                        covered: book.covered,
+                    }),
+                };
+            }
+            KeyChoice::Fixed(key) => key,
+        };
+        // A key that cannot move: refuse the newcomer, unless the other cap is idle (then it
+        // goes, and comes back refused if used again).
         let same_key = (0..self.entries.len() as u32).find(|&i| {
             let e = self.entry(i);
             e.database() == db && e.key() == key
@@ -134,6 +190,24 @@ impl Segment {
                 key,
             });
         }
+        Ok(key)
+    }
+
+    /// Under the exclusive lock: the cap `(db, name)`, created with room for `slots` slots and
+    /// the key `choice` gives. `exists` says whether a database still exists.
+    pub(super) fn create(
+        &self,
+        db: u32,
+        name: &str,
+        choice: KeyChoice,
+        slots: u32,
+        share: u32,
+        exists: &dyn Fn(u32) -> bool,
+    ) -> Result<CapRef, CapError> {
+        if let Some(i) = self.find(db, name) {
+            return Ok(self.cap_ref(i));
+        }
+        let key = self.new_key(db, name, choice)?;
         let order = arena::order_for(slots.max(1));
         self.within_share(db, 1, 1 << order, 0, share)?;
         let mut entry = self.free_entry();
@@ -421,17 +495,21 @@ fn nap_between_tries() {
 }
 
 /// The cap `(db, name)` pinned, created (with room for `slots` slots) if it does not exist.
-/// `exists` says whether a database still exists (a catalog lookup, made only when full).
+/// `exists` says whether a database still exists (a catalog lookup, made only when full);
+/// `book(covered)` reads what the database records of the name's first `covered` probe keys
+/// (None: its key is fixed, [`first_key`]). Both are read before taking the lock.
 pub fn create(
     db: u32,
     name: &str,
     slots: u32,
     exists: impl Fn(u32) -> bool,
+    book: &dyn Fn(u32) -> Option<directory::KeyBook>,
 ) -> Result<Option<Cap>, CapError> {
     let Some(seg) = segment() else {
         return Ok(None);
     };
-    let key = cap_key(name);
+    let mut covered = keys_covered_first();
+    let mut read = book(covered);
     let share = gucs::database_share();
     // Which full caps belong to dropped databases is a catalog lookup, made before taking the
     // lock (and only when the directory is full).
@@ -448,8 +526,12 @@ pub fn create(
     // been asked for; wait for it (up to ROOM_WAIT), then fail closed.
     let started = std::time::Instant::now();
     loop {
+        let choice = match &read {
+            Some(book) => KeyChoice::Book(book),
+            None => KeyChoice::Fixed(first_key(name)),
+        };
         let made = directory_locked(EXCLUSIVE, || {
-            let cap = seg.create(db, name, key, slots, share, &|d| !gone.contains(&d))?;
+            let cap = seg.create(db, name, choice, slots, share, &|d| !gone.contains(&d))?;
             Ok(seg.entry(cap.entry).try_pin(cap))
         });
         match made {
@@ -469,30 +551,41 @@ pub fn create(
                 super::segment::nap(1_000);
                 pgrx::check_for_interrupts!();
             }
+            // Squatters on every key the book covers: read further (each key cost them a
+            // brute-force search; a read covering four times as many costs us one query).
+            Err(CapError::KeysExhausted { covered: c }) if c < MAX_KEYS_COVERED => {
+                covered = c.saturating_mul(4).max(covered);
+                read = book(covered);
+            }
             Err(e) => return Err(e),
         }
     }
 }
 
-/// Restores a cap at start (the postmaster, before any backend: no lock is contended).
+/// Restores a cap on the key it had, at start (the postmaster, before any backend: no lock is
+/// contended).
 pub(super) fn create_at_start(
     seg: &Segment,
     db: u32,
     name: &str,
+    key: i32,
 ) -> Result<&'static CapEntry, CapError> {
-    let cap = seg.create(db, name, cap_key(name), 1, 100, &|_| true)?;
+    let cap = seg.create(db, name, KeyChoice::Fixed(key), 1, 100, &|_| true)?;
     Ok(seg.entry(cap.entry))
 }
 
-/// Restores a cap at start with room for `slots` slots, pinned (counted: the postmaster has no
-/// hazard slot).
+/// Restores a cap on the key it had at start with room for `slots` slots, pinned (counted: the
+/// postmaster has no hazard slot).
 pub(super) fn restore_at_start(
     seg: &Segment,
     db: u32,
     name: &str,
+    key: i32,
     slots: u32,
 ) -> Result<Cap, CapError> {
-    let cap = seg.create(db, name, cap_key(name), slots.max(1), 100, &|_| true)?;
+    let cap = seg.create(db, name, KeyChoice::Fixed(key), slots.max(1), 100, &|_| {
+        true
+    })?;
     if seg.lock_for_growing(cap)?.is_some() {
         seg.move_block(cap, slots, 100)?;
     }

@@ -30,8 +30,8 @@ mod segment;
 mod waitq;
 
 pub use caps::{
-    busy_caps, cap_key, cap_refs, caps, create, databases, databases_with_pending, grow, lookup,
-    reclaim_database, usage, CapError, Pool,
+    busy_caps, cap_refs, caps, create, databases, databases_with_pending, first_key, grow, key_now,
+    lookup, reclaim_database, usage, CapError, Pool,
 };
 #[cfg(any(test, feature = "pg_test"))]
 pub use caps::{pin_state, reclaim_now};

@@ -45,7 +45,8 @@ pub(super) fn restore_pending(seg: &Segment) {
     let mut why = None;
     for c in entries {
         // A database dropped since is reclaimed by the launcher's first round.
-        match create_at_start(seg, c.database, &c.cap) {
+        let key = c.key.unwrap_or_else(|| super::caps::first_key(&c.cap));
+        match create_at_start(seg, c.database, &c.cap, key) {
             Ok(entry) => entry.carry(c.values),
             Err(e) => {
                 why.get_or_insert(e);
@@ -133,9 +134,11 @@ pub(super) fn restore_leases(seg: &Segment) -> StartKind {
     seg.header.tokens.raise(file.last_token);
     let mut lost = 0;
     for l in &file.leases {
-        let restored = restore_at_start(seg, l.database, &l.cap, l.slot + 1).is_ok_and(|cap| {
-            cap.restore_lease(l.slot, l.token, l.acquired_at, l.expires_at, l.owner)
-        });
+        let key = l.key.unwrap_or_else(|| super::caps::first_key(&l.cap));
+        let restored =
+            restore_at_start(seg, l.database, &l.cap, key, l.slot + 1).is_ok_and(|cap| {
+                cap.restore_lease(l.slot, l.token, l.acquired_at, l.expires_at, l.owner)
+            });
         if !restored {
             lost += 1;
         }
@@ -195,6 +198,7 @@ fn save_pending(seg: &Segment) {
         .map(|e| Carried {
             database: e.database(),
             cap: e.name(),
+            key: Some(e.key()),
             values: e.pending(),
         })
         .filter(|c| !c.values.is_zero())
@@ -237,6 +241,7 @@ fn save_leases(seg: &Segment) {
                 acquired_at: l.acquired_at,
                 expires_at: l.expires_at,
                 owner: l.owner,
+                key: Some(cap.key()),
             }));
     }
     if write_file(LEASE_FILE, &file.encode(major())) && !file.leases.is_empty() {

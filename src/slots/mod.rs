@@ -221,10 +221,26 @@ fn check_slot(slot: Option<i32>) -> Result<u32, SlotError> {
     Ok(slot as u32)
 }
 
-/// `stage_e_cap_key(cap)`: the first int4 of the cap's advisory locks.
+/// `stage_e_cap_key(cap)`: the first int4 of the cap's advisory locks (`keys`).
 pub fn cap_key(cap: Option<&str>) -> Result<i32, SlotError> {
     attached()?;
-    Ok(shmem::cap_key(check_name(cap)?))
+    Ok(crate::keys::key_of(check_name(cap)?))
+}
+
+/// `cap` if it is a valid cap name and shared memory is attached (`stage_e_reset_stats(cap)`).
+pub fn valid_cap(cap: Option<&str>) -> Result<&str, SlotError> {
+    attached()?;
+    check_name(cap)
+}
+
+/// The live cap `name` pinned, and its key; None when it does not exist here (then this
+/// session holds none of its slots: a held slot keeps its cap).
+#[inline]
+fn existing_key(name: &str) -> Option<(Cap, i32)> {
+    existing(name).map(|cap| {
+        let key = cap.key();
+        (cap, key)
+    })
 }
 
 /// The cap named `name` pinned, if it exists: through this backend's cache, else a lookup.
@@ -250,9 +266,15 @@ fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
         let cap = match existing(name) {
             Some(cap) => cap,
             None => {
-                let cap = shmem::create(session::database(), name, n, session::database_exists)
-                    .map_err(fail)?
-                    .ok_or(SlotError::NotPreloaded)?;
+                let cap = shmem::create(
+                    session::database(),
+                    name,
+                    n,
+                    session::database_exists,
+                    &|covered| crate::keys::book(name, covered),
+                )
+                .map_err(fail)?
+                .ok_or(SlotError::NotPreloaded)?;
                 session::cache_cap(name, Some(cap.at));
                 cap
             }
@@ -757,8 +779,11 @@ pub fn settle_lease(
 /// or None.
 pub fn slot_token(cap: Option<&str>, slot: Option<i32>) -> Result<Option<u64>, SlotError> {
     attached()?;
-    let key = shmem::cap_key(check_name(cap)?);
+    let name = check_name(cap)?;
     let slot = check_slot(slot)?;
+    let Some((_, key)) = existing_key(name) else {
+        return Ok(None);
+    };
     Ok(session::tracked_slot(key, slot)
         .filter(|h| locks::held_by_me(h.key, h.slot))
         .map(|h| h.token))
@@ -770,16 +795,15 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     ready()?;
     let name = check_name(cap)?;
     let slot = check_slot(slot)?;
-    let key = shmem::cap_key(name);
+    // Counted on the cap if it exists here; a release never creates one. Its key is the live
+    // cap's (`keys`: a name's key is not always its hash).
+    let (pinned, key) = match existing_key(name) {
+        Some((cap, key)) => (Some(cap), key),
+        None => (None, crate::keys::key_of(name)),
+    };
     // Untracked at once: from here on, it is released (below) or reported lost
     // (`not_released`), and neither can fail in between.
     let tracked = session::take_tracked(key, slot);
-    // Counted on the cap if it exists here; a release never creates one. A tracked slot names
-    // its cap (the only live one of this database with that key: keys do not collide), which
-    // saves the lookup by name.
-    let pinned = tracked
-        .and_then(|h| shmem::pin(h.cap))
-        .or_else(|| existing(name));
     // A tracked slot is held unless its lock was dropped behind our back earlier in this
     // transaction (transaction end reconciles), so go straight to the lock manager; an untracked
     // one is checked first, so that a foreign release does not draw core's WARNING too.
@@ -830,7 +854,12 @@ pub enum Caps<'a> {
 pub fn release_all(caps: Caps) -> Result<u32, SlotError> {
     ready()?;
     let key = match caps {
-        Caps::One(name) => Some(shmem::cap_key(check_name(name)?)),
+        // A cap that does not exist here has no slot of this session (a held slot keeps its
+        // cap), so its key is no business of ours: nothing is released.
+        Caps::One(name) => match existing_key(check_name(name)?) {
+            Some((_, key)) => Some(key),
+            None => return Ok(0),
+        },
         Caps::Every => None,
     };
     let mut released = 0;
@@ -851,8 +880,12 @@ pub fn release_all(caps: Caps) -> Result<u32, SlotError> {
 /// `stage_e_holding(cap, slot)`: whether this session holds the slot's lock right now.
 pub fn holding(cap: Option<&str>, slot: Option<i32>) -> Result<bool, SlotError> {
     ready()?;
-    let key = shmem::cap_key(check_name(cap)?);
+    let name = check_name(cap)?;
     let slot = check_slot(slot)?;
+    let key = match existing_key(name) {
+        Some((_, key)) => key,
+        None => crate::keys::key_of(name),
+    };
     let held = locks::held_by_me(key, slot);
     if !held {
         if let Some(h) = session::tracked_slot(key, slot) {

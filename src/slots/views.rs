@@ -13,6 +13,8 @@ use std::collections::HashMap;
 
 pub struct CapStats {
     pub cap: String,
+    /// The first int4 of its slots' advisory locks.
+    pub key: i32,
     pub held: u32,
     pub counts: CounterValues,
 }
@@ -61,6 +63,7 @@ pub fn stats() -> Result<Vec<CapStats>, SlotError> {
             let cap = cap?;
             Some(CapStats {
                 cap: name,
+                key,
                 held: granted.iter().filter(|g| g.key == key).count() as u32 + cap.lease_count(),
                 counts: cap.counters().load(),
             })

@@ -288,6 +288,8 @@ impl FlushState {
 pub struct Carried {
     pub database: u32,
     pub cap: String,
+    /// The cap's lock key (None in a file written before 0.7.0: the name's first key).
+    pub key: Option<i32>,
     pub values: CounterValues,
 }
 
@@ -313,28 +315,32 @@ pub fn merge(mut into: Vec<Carried>, more: Vec<Carried>) -> Vec<Carried> {
 }
 
 const FILE_HEADER_V1: &str = "stage_e_slots pending counters v1";
-const FILE_HEADER: &str = "stage_e_slots pending counters v2";
+const FILE_HEADER_V2: &str = "stage_e_slots pending counters v2";
+const FILE_HEADER: &str = "stage_e_slots pending counters v3";
 
-/// One line per cap: database OID, the cap name in hex (names may hold any character), then
-/// the counters in `NAMES` order.
+/// One line per cap: database OID, the cap name in hex (names may hold any character), its
+/// lock key (`-` if unknown), then the counters in `NAMES` order.
 pub fn encode(pending: &[Carried]) -> String {
     let mut out = format!("{FILE_HEADER}\n");
     for c in pending {
         let hex: String = c.cap.bytes().map(|b| format!("{b:02x}")).collect();
+        let key = c.key.map_or("-".to_string(), |k| k.to_string());
         let nums: Vec<String> = c.values.to_array().iter().map(u64::to_string).collect();
-        out.push_str(&format!("{} {hex} {}\n", c.database, nums.join(" ")));
+        out.push_str(&format!("{} {hex} {key} {}\n", c.database, nums.join(" ")));
     }
     out
 }
 
-/// Parses [`encode`]'s output, or the v1 file of 0.1.0 (one line per database, which had the
-/// `default` cap only); None if the file is in neither format (it is then ignored, as
-/// pg_stat_statements ignores a dump file of another version).
+/// Parses [`encode`]'s output, the v2 file of 0.2.0 to 0.6.0 (no key), or the v1 file of
+/// 0.1.0 (one line per database, which had the `default` cap only); None if the file is in
+/// none of these formats (it is then ignored, as pg_stat_statements ignores a dump file of
+/// another version).
 pub fn decode(text: &str) -> Option<Vec<Carried>> {
     let mut lines = text.lines();
-    let v1 = match lines.next()? {
-        FILE_HEADER => false,
-        FILE_HEADER_V1 => true,
+    let (v1, keyed) = match lines.next()? {
+        FILE_HEADER => (false, true),
+        FILE_HEADER_V2 => (false, false),
+        FILE_HEADER_V1 => (true, false),
         _ => return None,
     };
     lines
@@ -352,6 +358,13 @@ pub fn decode(text: &str) -> Option<Vec<Carried>> {
                     .collect();
                 String::from_utf8(bytes?).ok()?
             };
+            let key = match keyed {
+                false => None,
+                true => match words.next()? {
+                    "-" => None,
+                    k => Some(k.parse().ok()?),
+                },
+            };
             // Files of earlier versions have fewer counters: the later ones start at zero.
             let nums: Vec<u64> = words.map(|w| w.parse().ok()).collect::<Option<_>>()?;
             if nums.len() < COUNT_0_2_0 || nums.len() > COUNT {
@@ -363,6 +376,7 @@ pub fn decode(text: &str) -> Option<Vec<Carried>> {
             Some(Carried {
                 database,
                 cap,
+                key,
                 values,
             })
         })
@@ -381,6 +395,7 @@ mod unit {
             Carried {
                 database,
                 cap: cap.into(),
+                key: None,
                 values: CounterValues::from_array(a),
             }
         };
@@ -429,16 +444,32 @@ mod unit {
             Carried {
                 database: 16384,
                 cap: "default".into(),
+                key: Some(-7),
                 values: v(1),
             },
             Carried {
                 database: 4_000_000_000,
                 cap: "tenant 7\nwith spaces, é".into(),
+                key: None,
                 values: v(u64::MAX - 10),
             },
         ];
         assert_eq!(decode(&encode(&pending)), Some(pending));
         assert_eq!(decode(&encode(&[])), Some(vec![]));
+    }
+
+    #[test]
+    fn reads_the_keyless_file_of_0_6_0() {
+        let text = format!("{FILE_HEADER_V2}\n16384 6162 1 2 3 4 5\n");
+        let got = decode(&text).expect("a v2 file");
+        assert_eq!((got[0].cap.as_str(), got[0].key), ("ab", None));
+        assert_eq!(got[0].values.released_by_exit, 5);
+        // A v3 line without its key is damaged, not a v2 line.
+        assert_eq!(decode(&format!("{FILE_HEADER}\n16384 6162\n")), None);
+        assert_eq!(
+            decode(&format!("{FILE_HEADER}\n16384 6162 x 1 2 3 4 5\n")),
+            None
+        );
     }
 
     #[test]
@@ -449,6 +480,7 @@ mod unit {
             Some(vec![Carried {
                 database: 16384,
                 cap: "default".into(),
+                key: None,
                 values: CounterValues {
                     acquired: 1,
                     throttled: 2,

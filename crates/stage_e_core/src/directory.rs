@@ -70,6 +70,54 @@ pub fn name_key(name: &str) -> i32 {
     ((h >> 32) ^ h) as u32 as i32
 }
 
+/// The `i`-th key of `name`'s probe sequence: [`name_key`] first, then the same hash seeded
+/// with `i`, so each name has its own sequence (a name made to collide with another's first
+/// key still has different later ones). Fixed like `name_key`: recorded keys refer to it.
+pub fn probe_key(name: &str, i: u32) -> i32 {
+    if i == 0 {
+        return name_key(name);
+    }
+    let seed = FNV_OFFSET ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let h = fnv1a(name.bytes(), seed);
+    ((h >> 32) ^ h) as u32 as i32
+}
+
+/// What a database knows of a name's key: the keys its counter rows record (see
+/// `src/keys.rs`), read before a cap is made, for the first `covered` keys of the name's
+/// probe sequence.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyBook {
+    /// The key the name's own row records.
+    pub recorded: Option<i32>,
+    /// Keys other names' rows record, among the first `covered` probe keys.
+    pub others: Vec<i32>,
+    pub covered: u32,
+}
+
+/// The key a name gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick {
+    /// Its recorded key, or the first probe key that nothing holds.
+    Key(i32),
+    /// Every covered probe key is held: read the book again, covering more.
+    Exhausted,
+}
+
+/// The key for a name whose book is `book`, where `taken(k)` says whether a live cap of the
+/// same database (or the `default` cap) uses key `k`. A recorded key is kept unless a live cap
+/// uses it (only a race with a flush can do that: the name then moves to a free key, which its
+/// row records at the next flush). Otherwise the first probe key that neither a live cap nor
+/// another name's row holds: a name colliding with another is resolved, never refused.
+pub fn pick_key(name: &str, book: &KeyBook, taken: impl Fn(i32) -> bool) -> Pick {
+    if let Some(k) = book.recorded.filter(|&k| !taken(k)) {
+        return Pick::Key(k);
+    }
+    (0..book.covered)
+        .map(|i| probe_key(name, i))
+        .find(|&k| !taken(k) && !book.others.contains(&k))
+        .map_or(Pick::Exhausted, Pick::Key)
+}
+
 /// Where `(db, name)` starts probing in the index.
 pub fn index_hash(db: u32, name: &str) -> u64 {
     fnv1a(name.bytes(), fnv1a(db.to_le_bytes(), FNV_OFFSET))
@@ -201,6 +249,53 @@ mod unit {
             .map(|i| name_key(&format!("tenant:{i}")))
             .collect();
         assert!(keys.len() > 99_990, "{} distinct of 100000", keys.len());
+    }
+
+    #[test]
+    fn probe_keys_start_at_the_name_key_and_differ_between_colliding_names() {
+        let (a, b) = ("c128898", "c153422");
+        assert_eq!(probe_key(a, 0), name_key(a));
+        assert_eq!(probe_key(a, 0), probe_key(b, 0));
+        assert_ne!(probe_key(a, 1), probe_key(b, 1));
+        let seq: std::collections::HashSet<i32> = (0..1_000).map(|i| probe_key(a, i)).collect();
+        assert_eq!(seq.len(), 1_000);
+        // Fixed values: recorded keys refer to this sequence.
+        assert_eq!(probe_key("exports", 1), probe_key("exports", 1));
+        assert_eq!(probe_key("exports", 1), -1_155_795_468);
+    }
+
+    #[test]
+    fn a_colliding_name_gets_the_next_free_key_and_a_recorded_key_is_kept() {
+        let name = "exports";
+        let k = |i| probe_key(name, i);
+        let book = |recorded, others: Vec<i32>| KeyBook {
+            recorded,
+            others,
+            covered: 4,
+        };
+        assert_eq!(
+            pick_key(name, &book(None, vec![]), |_| false),
+            Pick::Key(k(0))
+        );
+        // Its first key held by a live cap, its second by another name's row.
+        let taken = |key| key == k(0);
+        assert_eq!(
+            pick_key(name, &book(None, vec![k(1)]), taken),
+            Pick::Key(k(2))
+        );
+        // A recorded key wins over the sequence, even the name's first key being free...
+        assert_eq!(
+            pick_key(name, &book(Some(77), vec![]), |_| false),
+            Pick::Key(77)
+        );
+        // ...unless a live cap uses it.
+        assert_eq!(
+            pick_key(name, &book(Some(77), vec![]), |key| key == 77),
+            Pick::Key(k(0))
+        );
+        // Every covered key held: read further.
+        let all = vec![k(1), k(2), k(3)];
+        assert_eq!(pick_key(name, &book(None, all), taken), Pick::Exhausted);
     }
 
     #[test]

@@ -271,6 +271,8 @@ pub struct SavedLease {
     pub acquired_at: i64,
     pub expires_at: i64,
     pub owner: u32,
+    /// The cap's lock key (None in a file written before 0.7.0: the name's first key).
+    pub key: Option<i32>,
 }
 
 /// The lease file of a clean shutdown: the server's last token and every live lease.
@@ -280,7 +282,9 @@ pub struct LeaseFile {
     pub leases: Vec<SavedLease>,
 }
 
-const LEASE_FILE_HEADER: &str = "stage_e_slots leases v1";
+const LEASE_FILE_HEADER_V1: &str = "stage_e_slots leases v1";
+/// Since 0.7.0 each lease line ends with its cap's lock key.
+const LEASE_FILE_HEADER: &str = "stage_e_slots leases v2";
 
 /// Why a saved file is not used.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -347,14 +351,15 @@ impl LeaseFile {
         for l in &self.leases {
             let _ = writeln!(
                 out,
-                "lease {} {} {} {} {} {} {}",
+                "lease {} {} {} {} {} {} {} {}",
                 l.database,
                 hex(&l.cap),
                 l.slot,
                 l.token,
                 l.acquired_at,
                 l.expires_at,
-                l.owner
+                l.owner,
+                l.key.map_or("-".to_string(), |k| k.to_string()),
             );
         }
         out.push_str("end\n");
@@ -366,10 +371,11 @@ impl LeaseFile {
     pub fn decode(text: &str, major: u32) -> Result<LeaseFile, FileError> {
         let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l));
         let corrupt = |i: usize| FileError::Corrupt(i);
-        match lines.next() {
-            Some((_, LEASE_FILE_HEADER)) => {}
+        let keyed = match lines.next() {
+            Some((_, LEASE_FILE_HEADER)) => true,
+            Some((_, LEASE_FILE_HEADER_V1)) => false,
             other => return Err(corrupt(other.map_or(1, |(i, _)| i))),
-        }
+        };
         let (i, stamp) = lines.next().ok_or(corrupt(2))?;
         let written_by: u32 = stamp
             .strip_prefix("major ")
@@ -390,18 +396,27 @@ impl LeaseFile {
             let w: Vec<&str> = line.split(' ').collect();
             let parsed = match w.as_slice() {
                 ["end"] => return Ok(file),
-                ["lease", db, name, slot, token, acquired, expires, owner] => (|| {
-                    file.leases.push(SavedLease {
-                        database: db.parse().ok()?,
-                        cap: unhex(name)?,
-                        slot: slot.parse().ok()?,
-                        token: token.parse().ok()?,
-                        acquired_at: acquired.parse().ok()?,
-                        expires_at: expires.parse().ok()?,
-                        owner: owner.parse().ok()?,
-                    });
-                    Some(())
-                })(),
+                ["lease", db, name, slot, token, acquired, expires, owner, rest @ ..]
+                    if rest.len() == keyed as usize =>
+                {
+                    (|| {
+                        let key = match rest.first() {
+                            None | Some(&"-") => None,
+                            Some(k) => Some(k.parse().ok()?),
+                        };
+                        file.leases.push(SavedLease {
+                            database: db.parse().ok()?,
+                            cap: unhex(name)?,
+                            slot: slot.parse().ok()?,
+                            token: token.parse().ok()?,
+                            acquired_at: acquired.parse().ok()?,
+                            expires_at: expires.parse().ok()?,
+                            owner: owner.parse().ok()?,
+                            key,
+                        });
+                        Some(())
+                    })()
+                }
                 _ => None,
             };
             parsed.ok_or(corrupt(i))?;
@@ -655,8 +670,22 @@ mod unit {
                 acquired_at: -5,
                 expires_at: 851_000_000_000_000,
                 owner: 10,
+                key: Some(-1_155_795_468),
             }],
         }
+    }
+
+    #[test]
+    fn the_lease_file_of_0_6_0_has_no_keys() {
+        let text = "stage_e_slots leases v1\nmajor 18\ntokens 7\n\
+                    lease 5 6162 3 9 -5 851000000000000 10\nend\n";
+        let f = LeaseFile::decode(text, 18).expect("a v1 file");
+        assert_eq!((f.leases[0].cap.as_str(), f.leases[0].key), ("ab", None));
+        // A v1 line with a key, or a v2 line without one, is damaged.
+        let keyed = text.replace(" 10\n", " 10 5\n");
+        assert_eq!(LeaseFile::decode(&keyed, 18), Err(FileError::Corrupt(4)));
+        let keyless = text.replace("leases v1", "leases v2");
+        assert_eq!(LeaseFile::decode(&keyless, 18), Err(FileError::Corrupt(4)));
     }
 
     #[test]

@@ -17,19 +17,23 @@ pub enum SchemaVersion {
     V0_5_0,
     /// Restarts, crashes and failovers: the `stage_e_lease_horizon` table, `stage_e_held_back`.
     V0_6_0,
+    /// Cap names never refused for a colliding lock key: each counter row records its cap's key
+    /// (`lock_key`), and `stage_e_cap_key` reads it.
+    V0_7_0,
 }
 
 impl SchemaVersion {
     /// The version of this library's own install script.
-    pub const CURRENT: SchemaVersion = SchemaVersion::V0_6_0;
+    pub const CURRENT: SchemaVersion = SchemaVersion::V0_7_0;
 
-    pub const ALL: [SchemaVersion; 6] = [
+    pub const ALL: [SchemaVersion; 7] = [
         SchemaVersion::V0_1_0,
         SchemaVersion::V0_2_0,
         SchemaVersion::V0_3_0,
         SchemaVersion::V0_4_0,
         SchemaVersion::V0_5_0,
         SchemaVersion::V0_6_0,
+        SchemaVersion::V0_7_0,
     ];
 
     /// `pg_extension.extversion` as a version; None for one this library does not know.
@@ -45,6 +49,7 @@ impl SchemaVersion {
             SchemaVersion::V0_4_0 => "0.4.0",
             SchemaVersion::V0_5_0 => "0.5.0",
             SchemaVersion::V0_6_0 => "0.6.0",
+            SchemaVersion::V0_7_0 => "0.7.0",
         }
     }
 
@@ -64,15 +69,23 @@ impl SchemaVersion {
         self >= SchemaVersion::V0_6_0
     }
 
+    /// Whether counter rows record their cap's lock key (`lock_key`), so that a name whose key
+    /// collides with another's gets a key of its own, kept for the life of its row. Before
+    /// 0.7.0 the name made second was refused (42710) while the other was in use.
+    pub fn has_key_records(self) -> bool {
+        self >= SchemaVersion::V0_7_0
+    }
+
     /// How many counters (of `counters::CounterValues::NAMES`, in order) its table and
     /// functions have.
     pub fn counter_columns(self) -> usize {
         match self {
             SchemaVersion::V0_1_0 | SchemaVersion::V0_2_0 => crate::counters::COUNT_0_2_0,
             SchemaVersion::V0_3_0 => crate::counters::COUNT_0_3_0,
-            SchemaVersion::V0_4_0 | SchemaVersion::V0_5_0 | SchemaVersion::V0_6_0 => {
-                crate::counters::COUNT
-            }
+            SchemaVersion::V0_4_0
+            | SchemaVersion::V0_5_0
+            | SchemaVersion::V0_6_0
+            | SchemaVersion::V0_7_0 => crate::counters::COUNT,
         }
     }
 }
@@ -102,14 +115,16 @@ mod unit {
                 9,
                 crate::counters::COUNT,
                 crate::counters::COUNT,
+                crate::counters::COUNT,
                 crate::counters::COUNT
             ]
         );
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.has_named_caps()),
-            [false, true, true, true, true, true]
+            [false, true, true, true, true, true, true]
         );
         assert!(!V0_3_0.has_leases() && V0_4_0.has_leases());
         assert!(!V0_5_0.has_lease_horizon() && V0_6_0.has_lease_horizon());
+        assert!(!V0_6_0.has_key_records() && V0_7_0.has_key_records());
     }
 }
