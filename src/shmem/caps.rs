@@ -89,13 +89,17 @@ pub fn key_now(db: u32, name: &str, book: &dyn Fn(u32) -> Option<directory::KeyB
     let Some(seg) = segment() else {
         return first_key(name);
     };
-    let mut covered = keys_covered_first();
+    let live = |seg: &Segment| seg.find(db, name).map(|i| seg.entry(i).key());
+    if let Some(k) = directory_locked(SHARED, || live(seg)) {
+        return k; // no book to read
+    }
+    let mut covered = KEYS_COVERED_FIRST;
     loop {
         let Some(book) = book(covered) else {
             return first_key(name);
         };
-        let found = directory_locked(SHARED, || match seg.find(db, name) {
-            Some(i) => directory::Pick::Key(seg.entry(i).key()),
+        let found = directory_locked(SHARED, || match live(seg) {
+            Some(k) => directory::Pick::Key(k),
             None => directory::pick_key(name, &book, |k| seg.key_taken(db, name, k)),
         });
         match found {
@@ -107,9 +111,7 @@ pub fn key_now(db: u32, name: &str, book: &dyn Fn(u32) -> Option<directory::KeyB
 
 /// How many probe keys a book covers at first: a name collides rarely, and each key a
 /// squatter holds took it a brute-force search.
-fn keys_covered_first() -> u32 {
-    16
-}
+const KEYS_COVERED_FIRST: u32 = 16;
 
 /// Past this many probe keys, a create gives up (every one held: see `src/keys.rs`).
 const MAX_KEYS_COVERED: u32 = 1 << 20;
@@ -508,7 +510,7 @@ pub fn create(
     let Some(seg) = segment() else {
         return Ok(None);
     };
-    let mut covered = keys_covered_first();
+    let mut covered = KEYS_COVERED_FIRST;
     let mut read = book(covered);
     let share = gucs::database_share();
     // Which full caps belong to dropped databases is a catalog lookup, made before taking the
