@@ -92,15 +92,25 @@ impl Seats {
 /// lowest free slots from `from` up, or None (it waits). A seat takes from the largest n of the
 /// seats ahead of it up when enough of those slots are free (none of them is any use to those
 /// ahead), else from 0 while it is in the covered front (the free slots below the smallest n up
-/// to it cover it and everyone ahead). The head's two ways are one: from 0 while its k are free.
+/// to it cover it and everyone ahead) and every seat ahead asks for the same n. The head's two
+/// ways are one: from 0 while its k are free.
+///
+/// Why the same n: seats that take at once claim first-fit, in any order. On one range that
+/// always works when the free slots cover them all; across ranges it does not (seats n = 4,
+/// k = 2 and n = 2, k = 1 with slots 0..2 free: the first, claiming first, takes 0 and 1, and
+/// the second finds nothing below 2). A covered seat of another n waits for those ahead to take
+/// and leave, whose leaving wakes it.
 pub fn plans(seats: &[Seated], bits: &[AtomicU64]) -> [Option<u32>; FRONT] {
     let mut out = [None; FRONT];
     let covered = covered(seats, bits);
     let mut floor = 0u32;
+    // The n every seat so far asks for, None once two differ.
+    let mut same_n = seats.first().map(|s| s.n);
     for (i, s) in seats.iter().enumerate().take(FRONT) {
+        same_n = same_n.filter(|&n| n == s.n);
         if floor < s.n && occupancy::free_between(bits, floor, s.n) >= s.k {
             out[i] = Some(floor);
-        } else if i < covered {
+        } else if i < covered && same_n.is_some() {
             out[i] = Some(0);
         }
         floor = floor.max(s.n);
@@ -554,6 +564,15 @@ mod unit {
             Arc::new(Mutex::new(vec![None; waiter_asks.len() + 1]));
         let timeouts = Arc::new(AtomicU64::new(0));
         let unserved = Arc::new(AtomicU64::new(0));
+        // Per newcomer: the `joined` it saw when it looked, until it has given back what it
+        // took (u64::MAX while idle). A newcomer that looked before a waiter joined may take
+        // a slot that waiter then sees free: no rule can stop that (the look came first), and
+        // the waiter is woken again by its release. Any other failed claim is a defect.
+        let looks: Arc<Vec<AtomicU64>> = Arc::new(
+            (0..newcomer_asks.len())
+                .map(|_| AtomicU64::new(u64::MAX))
+                .collect(),
+        );
         let done = Arc::new(AtomicBool::new(false));
         let wake = {
             let threads = threads.clone();
@@ -584,6 +603,7 @@ mod unit {
             .enumerate()
             .map(|(i, &(n, k))| {
                 let me = i + 1;
+                let looks = looks.clone();
                 let (bits, front, queue, threads, timeouts, unserved, wake, hold, joined, count) = (
                     bits.clone(),
                     front.clone(),
@@ -629,7 +649,12 @@ mod unit {
                                         break;
                                     }
                                     None => {
-                                        unserved.fetch_add(1, Ordering::Relaxed);
+                                        let stale = looks
+                                            .iter()
+                                            .any(|l| l.load(Ordering::SeqCst) <= ticket);
+                                        if !stale {
+                                            unserved.fetch_add(1, Ordering::Relaxed);
+                                        }
                                     }
                                 }
                             }
@@ -648,6 +673,7 @@ mod unit {
             .enumerate()
             .map(|(i, &(n, k))| {
                 let me = 1000 + i as u64;
+                let looks = looks.clone();
                 let (bits, front, queue, wake, hold, joined, count, done) = (
                     bits.clone(),
                     front.clone(),
@@ -662,12 +688,14 @@ mod unit {
                     let (mut got, mut throttled) = (0u64, 0u64);
                     while !done.load(Ordering::Relaxed) {
                         let seen = joined.load(Ordering::SeqCst);
+                        looks[i].store(seen, Ordering::SeqCst);
                         let from = if count.load(Ordering::SeqCst) == 0 {
                             Some(0)
                         } else {
                             front.newcomer(n, k, &bits)
                         };
                         let Some(slots) = from.and_then(|from| claim(&bits, from, n, k)) else {
+                            looks[i].store(u64::MAX, Ordering::SeqCst);
                             throttled += 1;
                             std::thread::yield_now();
                             continue;
@@ -685,6 +713,7 @@ mod unit {
                         for &s in &slots {
                             occupancy::clear(&bits, s);
                         }
+                        looks[i].store(u64::MAX, Ordering::SeqCst);
                         wake(&front.to_wake(&bits, true));
                         got += 1;
                     }
