@@ -12,8 +12,9 @@
 //! - A *seated waiter* takes from the largest n of the seats ahead of it up, if enough of those
 //!   slots are free: the waiters ahead cannot use them, so it overtakes nobody it competes with.
 //!   It may also take lowest-first from slot 0 while the free slots cover it and every seat
-//!   ahead of it ([`crate::occupancy::covered_front`]): then enough is left for all of them, so
-//!   slots freed together serve several waiters at once. A head asking for k slots is not
+//!   ahead of it ([`crate::occupancy::covered_front`]) and every seat ahead asks for its n:
+//!   then enough is left for all of them, so slots freed together serve several waiters at once
+//!   (across different n, claims in any order could leave one of them with nothing). A head asking for k slots is not
 //!   overtaken: nobody behind it takes below its n until it is served ([`plans`]).
 //!
 //! So a waiter gets its slots from the very next releases it can use, FIFO among the waiters
