@@ -10,6 +10,7 @@
 //! | `stage_e_stats()`                | `stage_e_stats`                      | 0.1.0        |
 //! |                                  | `stage_e_stats_v2`                   | 0.2.0        |
 //! |                                  | `stage_e_stats_v3`                   | 0.3.0        |
+//! |                                  | `stage_e_stats_v4`                   | 0.4.0–0.7.0  |
 //! | `stage_e_slot_holders_internal()`| `stage_e_slot_holders_internal`      | 0.1.0        |
 //! |                                  | `stage_e_slot_holders_internal_v2`   | 0.2.0, 0.3.0 |
 //! | `stage_e_flush()`                | `stage_e_flush`                      | 0.1.0        |
@@ -36,7 +37,7 @@ use pgrx::prelude::*;
 use serde_json::json;
 use stage_e_core::counters::CounterValues;
 use stage_e_core::directory::DEFAULT_CAP;
-use stage_e_core::{for_each_counter_0_2_0, for_each_counter_0_3_0};
+use stage_e_core::{for_each_counter, for_each_counter_0_2_0, for_each_counter_0_3_0};
 
 fn default_of(rows: Vec<(String, CounterValues)>) -> CounterValues {
     rows.into_iter()
@@ -185,6 +186,15 @@ for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_pending_v3(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
         api::pending_rows(row_flush_id)
+    }
+);
+
+// -- 0.4.0 to 0.7.0: stats without the cap's current n ---------------------------------------
+
+for_each_counter!(counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_stats_v4() -> (cap: Text, max_slots: i32, held: i32) {
+        api::stats_rows()
     }
 );
 

@@ -22,6 +22,7 @@ use crate::slots::SlotError;
 use crate::sql::{self, Extension};
 use stage_e_core::counters::CounterValues;
 use stage_e_core::directory::DEFAULT_CAP;
+use stage_e_core::histogram::{HistValues, Metric};
 
 #[derive(Debug)]
 pub enum FlushError {
@@ -80,7 +81,10 @@ pub fn flush(
         };
         let read = role.flush_state();
         let delta = read.pending(None);
-        if write == Write::Add && delta.is_zero() {
+        // (A table without histograms, before 0.8.0, drops theirs at the commit.)
+        let nothing =
+            delta.is_zero() && (read.pending_hist().is_zero() || !ext.version.has_histograms());
+        if write == Write::Add && nothing {
             role.abort(); // nothing new: give the role back, write no row
             continue;
         }
@@ -91,6 +95,10 @@ pub fn flush(
         role.set_inflight(id, *delta);
     }
     let keys: Vec<i32> = taken.iter().map(|(_, (_, key), _, _)| *key).collect();
+    let hists: Vec<HistValues> = taken
+        .iter()
+        .map(|(_, _, read, _)| read.pending_hist())
+        .collect();
     // From here on the transaction's end settles the flush, whichever way it ends.
     crate::hooks::ensure();
     let written: Vec<(String, CounterValues)> = taken
@@ -104,7 +112,7 @@ pub fn flush(
             .collect(),
     );
     match write {
-        Write::Add if !written.is_empty() => add(&ext, &written, &keys, id)?,
+        Write::Add if !written.is_empty() => add(&ext, &written, &keys, &hists, id)?,
         Write::Add => {}
         Write::Reset => reset(&ext, only, id)?,
     }
@@ -126,12 +134,13 @@ fn become_flusher(cap: &Cap, me: i32, wait: bool) -> Option<Flushed> {
 
 /// One statement adding every cap's delta to its row (`sql::counter_add_query`). Only the
 /// counter columns the database's table has are written (`SchemaVersion::counter_columns`),
-/// and since 0.7.0 each cap's lock key (`keys`, in the order of `deltas`), which `keys`
-/// reads back.
+/// since 0.7.0 each cap's lock key (`keys`, in the order of `deltas`), which `keys` reads
+/// back, and since 0.8.0 its histograms' deltas (`hists`, likewise).
 fn add(
     ext: &Extension,
     deltas: &[(String, CounterValues)],
     keys: &[i32],
+    hists: &[HistValues],
     id: u64,
 ) -> Result<(), FlushError> {
     let n = ext.version.counter_columns();
@@ -168,6 +177,16 @@ fn add(
         args.push(id.into());
         if ext.version.has_key_records() {
             args.push(keys.to_vec().into());
+        }
+        if ext.version.has_histograms() {
+            for metric in Metric::ALL {
+                let flat: Vec<i64> = hists
+                    .iter()
+                    .flat_map(|h| h.of(metric))
+                    .map(|v| v as i64)
+                    .collect();
+                args.push(flat.into());
+            }
         }
         args
     };

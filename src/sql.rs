@@ -22,6 +22,7 @@ use pgrx::pg_sys;
 use pgrx::spi::{self, SpiClient};
 use pgrx::Spi;
 use stage_e_core::counters::CounterValues;
+use stage_e_core::histogram::BUCKETS;
 use stage_e_core::version::SchemaVersion;
 use std::ffi::CStr;
 
@@ -377,13 +378,41 @@ pub fn counter_add_query(ext: &Extension) -> String {
             ("", "", "")
         };
         let values: Vec<String> = names.iter().map(|c| format!("u.{c}")).collect();
+        // Since 0.8.0 the histograms too: `$n+4` and `$n+5` hold every cap's buckets, cap after
+        // cap (`BUCKETS` each, in the order of `$1`), and each row's are added bucket by bucket.
+        let (hist_col, hist_value, hist_set, ord) = if ext.version.has_histograms() {
+            let slice = |p: usize| {
+                format!(
+                    "(${p}::pg_catalog.int8[])[\
+                       ((u.ord OPERATOR(pg_catalog.-) 1) OPERATOR(pg_catalog.*) {BUCKETS} \
+                         OPERATOR(pg_catalog.+) 1)::pg_catalog.int4 \
+                       : (u.ord OPERATOR(pg_catalog.*) {BUCKETS})::pg_catalog.int4]"
+                )
+            };
+            let add = |c: &str| {
+                format!(
+                    "{c} = ARRAY(SELECT COALESCE(z.a, 0) OPERATOR(pg_catalog.+) COALESCE(z.b, 0) \
+                       FROM ROWS FROM (pg_catalog.unnest(t.{c}), pg_catalog.unnest(excluded.{c})) \
+                         WITH ORDINALITY AS z (a, b, i) ORDER BY z.i)"
+                )
+            };
+            (
+                ", hold_buckets, wait_buckets".to_string(),
+                format!(", {}, {}", slice(n + 4), slice(n + 5)),
+                format!(", {}, {}", add("hold_buckets"), add("wait_buckets")),
+                " WITH ORDINALITY",
+            )
+        } else {
+            (String::new(), String::new(), String::new(), "")
+        };
+        let ord_col = if ord.is_empty() { "" } else { ", ord" };
         format!(
             "INSERT INTO {schema}.stage_e_throttle_counter AS t \
-               (cap, {cols}, flushed_at, flush_id{key_col}) \
-             SELECT u.cap, {}, pg_catalog.now(), ${}{key_value} \
-               FROM ROWS FROM ({}) AS u (cap, {cols}{key_col}) \
+               (cap, {cols}, flushed_at, flush_id{key_col}{hist_col}) \
+             SELECT u.cap, {}, pg_catalog.now(), ${}{key_value}{hist_value} \
+               FROM ROWS FROM ({}){ord} AS u (cap, {cols}{key_col}{ord_col}) \
              ON CONFLICT (cap) DO UPDATE SET {set}, flushed_at = excluded.flushed_at, \
-               flush_id = excluded.flush_id{key_set}",
+               flush_id = excluded.flush_id{key_set}{hist_set}",
             values.join(", "),
             n + 2,
             arrays.join(", "),
@@ -419,6 +448,11 @@ pub fn counter_reset_query(ext: &Extension, one_cap: bool) -> String {
     } else {
         ""
     };
+    let mut zero = zero;
+    if ext.version.has_histograms() {
+        let empty = format!("'{{{}}}'::pg_catalog.int8[]", vec!["0"; BUCKETS].join(","));
+        zero.push(format!("hold_buckets = {empty}, wait_buckets = {empty}"));
+    }
     format!(
         "UPDATE {}.stage_e_throttle_counter SET {}, flushed_at = pg_catalog.now(), \
          flush_id = $1{only}",

@@ -72,6 +72,7 @@ def not_preloaded():
     "SELECT * FROM stage_e_throttle_totals",
     "SELECT stage_e_try_slot('default', 8, '1 s')", "SELECT stage_e_try_slots('c', 8, 2)",
     "SELECT * FROM stage_e_slot_waiters", "SELECT * FROM stage_e_cap_load",
+    "SELECT * FROM stage_e_histograms()", "SELECT * FROM stage_e_histogram_quantiles",
     "SELECT stage_e_cap_key('c')", "SELECT stage_e_lease('c', 8, '1 s')",
     "SELECT stage_e_renew('c', 0, 1, '1 s')", "SELECT stage_e_release_lease('c', 0, 1)",
     "SELECT stage_e_slot_token('c', 0)",

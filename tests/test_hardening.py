@@ -162,6 +162,8 @@ READ_AND_WRITE_CALLS = [
     "SELECT * FROM public.stage_e_slot_holders",
     "SELECT * FROM public.stage_e_slot_waiters",
     "SELECT * FROM public.stage_e_cap_load",
+    "SELECT * FROM public.stage_e_histograms()",
+    "SELECT * FROM public.stage_e_histogram_quantiles",
     "SELECT public.stage_e_try_slot('default', 1, '10 ms')",
     "SELECT public.stage_e_try_slots('k', 2, 2, '10 ms')",
     "SELECT public.stage_e_holding(0)",
@@ -330,6 +332,8 @@ READS = [
     "SELECT * FROM stage_e_throttle_counter",
     "SELECT * FROM stage_e_slot_waiters",
     "SELECT * FROM stage_e_cap_load",
+    "SELECT * FROM stage_e_histograms()",
+    "SELECT * FROM stage_e_histogram_quantiles",
 ]
 
 

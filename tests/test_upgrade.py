@@ -1,4 +1,4 @@
-"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0 and 0.6.0, with
+"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0, 0.6.0 and 0.7.0, with
 data and holders, against the current library; and the updated schema against a fresh install's."""
 
 import tomllib
@@ -440,5 +440,62 @@ def test_a_0_6_0_database_refuses_a_colliding_name_until_updated_then_records_ev
             assert one(holder, "SELECT stage_e_release('exports', 0)") is True
         c.create_database("fresh7")
         assert describe(c, "v060") == describe(c, "fresh7")
+    finally:
+        c.destroy()
+
+
+def test_a_0_7_0_database_is_served_without_histograms_then_updated_keeps_its_rows():
+    """The 0.8.0 library serves a 0.7.0 database as 0.7.0 did: stage_e_stats() without `n`,
+    flushes that write the counters only (its table has no histogram columns). The update keeps
+    the rows, the holder and the lease, gives the old rows empty histograms, and from then on
+    flushes add each cap's histograms; `n` shows the cap's current n."""
+    c = Cluster("upgrade070", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
+    try:
+        c.create_database("v070", extension=False)
+        c.sql("CREATE EXTENSION stage_e_slots VERSION '0.7.0'", dbname="v070")
+        with c.connect("v070", "holder") as holder, c.connect("v070", "other") as other:
+            assert one(holder, "SELECT stage_e_try_slot('exports', 2)") == 0
+            lease = holder.execute("SELECT * FROM stage_e_lease('jobs', 1, '1 hour')"
+                                   ).fetchone()
+            assert one(other, "SELECT stage_e_release('exports', stage_e_try_slot('exports', 2))"
+                       ) is True
+            cur = other.execute("SELECT * FROM stage_e_stats() ORDER BY cap")
+            assert [d.name for d in cur.description][:4] == ["cap", "max_slots", "held",
+                                                             "acquired"]
+            assert [r[:4] for r in cur.fetchall()] == [("exports", 1024, 1, 2),
+                                                       ("jobs", 1024, 1, 1)]
+            holder.execute("SELECT stage_e_flush()")
+            assert other.execute("SELECT cap, acquired, released FROM stage_e_throttle_counter "
+                                 "ORDER BY cap").fetchall() == [("exports", 2, 1), ("jobs", 1, 0)]
+            with pytest.raises(errors.UndefinedFunction):
+                other.execute("SELECT * FROM stage_e_histograms()")
+            other.rollback()
+
+            other.execute("ALTER EXTENSION stage_e_slots UPDATE")
+            assert one(other, "SELECT extversion FROM pg_extension "
+                              "WHERE extname = 'stage_e_slots'") == CURRENT
+            zero = [0] * 13
+            assert other.execute("SELECT cap, acquired, released, hold_buckets, wait_buckets "
+                                 "FROM stage_e_throttle_counter ORDER BY cap").fetchall() == [
+                ("exports", 2, 1, zero, zero), ("jobs", 1, 0, zero, zero)]
+            assert one(holder, "SELECT stage_e_holding('exports', 0)") is True
+            assert other.execute("SELECT cap, slot, token FROM stage_e_slot_holders "
+                                 "ORDER BY cap").fetchall() == [
+                ("exports", 0, None), ("jobs", 0, lease[1])]
+            assert other.execute("SELECT cap, held, n FROM stage_e_stats() ORDER BY cap"
+                                 ).fetchall() == [("exports", 1, 2), ("jobs", 1, 1)]
+            # Both holds are in the histograms since the caps were made; the row of `exports`
+            # was flushed before the update (its table had no histograms), so only the lease's
+            # release, after it, reaches a row.
+            assert one(holder, "SELECT stage_e_release_lease('jobs', %s, %s)", lease[:2]) is True
+            assert other.execute("SELECT cap, seconds_count FROM stage_e_histograms() "
+                                 "WHERE metric = 'hold' ORDER BY cap").fetchall() == [
+                ("exports", 1), ("jobs", 1)]
+            holder.execute("SELECT stage_e_flush()")
+            assert [sum(h) for (h,) in other.execute(
+                "SELECT hold_buckets FROM stage_e_throttle_counter ORDER BY cap").fetchall()] == [
+                0, 1]
+        c.create_database("fresh8")
+        assert describe(c, "v070") == describe(c, "fresh8")
     finally:
         c.destroy()

@@ -1,7 +1,7 @@
 -- The durable counters: one row per cap of this database, inserted by the cap's first flush
 -- and added to once per flush interval (one statement per database, whatever the rate).
 -- The wait and hold counters (0.3.0) come after flush_id, where the update from 0.2.0 adds them,
--- and expired (0.4.0) after them, lock_key (0.7.0) last.
+-- and expired (0.4.0) after them, lock_key (0.7.0), then the histograms (0.8.0) last.
 -- Every statement of the extension names this table with its schema (see src/sql.rs).
 CREATE TABLE stage_e_throttle_counter (
     cap              text PRIMARY KEY
@@ -18,7 +18,9 @@ CREATE TABLE stage_e_throttle_counter (
     wait_time        interval NOT NULL DEFAULT '0',
     hold_time        interval NOT NULL DEFAULT '0',
     expired          bigint NOT NULL DEFAULT 0,
-    lock_key         integer
+    lock_key         integer,
+    hold_buckets     bigint[] NOT NULL DEFAULT '{0,0,0,0,0,0,0,0,0,0,0,0,0}',
+    wait_buckets     bigint[] NOT NULL DEFAULT '{0,0,0,0,0,0,0,0,0,0,0,0,0}'
 );
 -- lock_key (0.7.0): the first int4 of the cap's advisory locks, written by the flush and read
 -- when the cap is next made, so that a name whose key collides with another's keeps the key it
@@ -26,6 +28,13 @@ CREATE TABLE stage_e_throttle_counter (
 CREATE INDEX stage_e_throttle_counter_lock_key ON stage_e_throttle_counter (lock_key);
 COMMENT ON COLUMN stage_e_throttle_counter.lock_key IS
   'The first int4 of the cap''s advisory locks (stage_e_cap_key), kept while this row lives.';
+-- The histograms (0.8.0): per bucket, not cumulative, how many holds and waits took at most
+-- 1 ms, 4 ms, 16 ms, ... 4194.304 s (1 ms times powers of 4), the 13th above them all; their
+-- sums are hold_time and wait_time (stage_e_core::histogram).
+COMMENT ON COLUMN stage_e_throttle_counter.hold_buckets IS
+  'Holds per bucket (not cumulative): at most 1 ms, 4 ms, 16 ms, ... 4194.304 s (1 ms times powers of 4), then above; their sum is hold_time.';
+COMMENT ON COLUMN stage_e_throttle_counter.wait_buckets IS
+  'Waits (served or timed out) per bucket, as hold_buckets; their sum is wait_time.';
 COMMENT ON TABLE stage_e_throttle_counter IS
   'Durable stage_e_slots counters of this database: one row per cap, written by its first flush and added to once per flush interval. Rows of caps no longer used may be deleted.';
 -- No row is inserted here: pg_dump keeps the table's data, and a restore (which runs

@@ -79,3 +79,13 @@ SELECT l.cap,
 COMMENT ON VIEW stage_e_cap_load IS
   'Per cap: slots held and throttles per minute, averaged over 1, 5 and 15 minutes.';
 GRANT SELECT ON stage_e_cap_load TO PUBLIC;
+
+-- Percentiles of each cap's hold and wait histograms, for people who read SQL rather than
+-- Prometheus (which computes them with histogram_quantile from stage_e_histograms()).
+CREATE VIEW stage_e_histogram_quantiles AS
+SELECT q.cap, q.metric, q.count, q.p50, q.p90, q.p99
+  FROM @extschema@.stage_e_histogram_quantiles_internal() AS q
+ ORDER BY q.cap, q.metric;
+COMMENT ON VIEW stage_e_histogram_quantiles IS
+  'Per cap in use and metric (hold, wait): observations since the cap was made and their 50th, 90th and 99th percentiles, interpolated within the histogram''s buckets as histogram_quantile does.';
+GRANT SELECT ON stage_e_histogram_quantiles TO PUBLIC;

@@ -85,7 +85,8 @@ extension_sql_file!(
         stats::stage_e_pending_v4,
         stats::stage_e_slot_holders_internal_v3,
         stats::stage_e_slot_waiters_internal,
-        stats::stage_e_cap_load_internal
+        stats::stage_e_cap_load_internal,
+        stats::stage_e_histogram_quantiles_internal
     ],
 );
 

@@ -11,17 +11,29 @@ use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
 use stage_e_core::counters::CounterValues;
 use stage_e_core::for_each_counter;
+use stage_e_core::histogram::{self, Metric};
+
+/// A cap's current n as SQL shows it: NULL before its first acquisition.
+type CurrentN = Option<i32>;
 
 for_each_counter!(counter_table_fn,
     /// One row per cap in use in the current database: counters since the cap was created,
-    /// and the slots held now (from the lock manager).
+    /// the slots held now (from the lock manager) and the cap's current n.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
-    fn stage_e_stats_v4() -> (cap: Text, max_slots: i32, held: i32) {
-        stats_rows()
+    fn stage_e_stats_v5() -> (cap: Text, max_slots: i32, held: i32, n: CurrentN) {
+        let max_slots = gucs::max_slots() as i32;
+        slots::stats()
+            .unwrap_or_else(|e| raise(e))
+            .into_iter()
+            .map(|s| {
+                let n = s.n.map(|n| n as i32);
+                ((Text(s.cap), max_slots, s.held as i32, n), s.counts)
+            })
+            .collect()
     }
 );
 
-/// The rows of `stage_e_stats()` (since 0.2.0; each version shows its own counters).
+/// The rows of `stage_e_stats()` from 0.2.0 to 0.7.0 (each version shows its own counters).
 pub fn stats_rows() -> Vec<((Text, i32, i32), CounterValues)> {
     let max_slots = gucs::max_slots() as i32;
     slots::stats()
@@ -29,6 +41,78 @@ pub fn stats_rows() -> Vec<((Text, i32, i32), CounterValues)> {
         .into_iter()
         .map(|s| ((Text(s.cap), max_slots, s.held as i32), s.counts))
         .collect()
+}
+
+/// Per cap in use in the current database and metric (`hold`, `wait`), its histogram since the
+/// cap was made, in the shape postgres_exporter's HISTOGRAM usage reads: the upper bounds in
+/// seconds, the count at or below each, the sum in seconds, the count of all.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)]
+fn stage_e_histograms() -> TableIterator<
+    'static,
+    (
+        name!(cap, Text),
+        name!(metric, Text),
+        name!(seconds, Vec<f64>),
+        name!(seconds_bucket, Vec<i64>),
+        name!(seconds_sum, f64),
+        name!(seconds_count, i64),
+    ),
+> {
+    let bounds = histogram::bounds_seconds().to_vec();
+    let rows = slots::stats().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().flat_map(move |s| {
+        let bounds = bounds.clone();
+        Metric::ALL.map(move |m| {
+            let (below, count) = s.hist.cumulative(m);
+            let sum_us = match m {
+                Metric::Hold => s.counts.hold_time,
+                Metric::Wait => s.counts.wait_time,
+            };
+            (
+                Text(s.cap.clone()),
+                Text(m.name().to_string()),
+                bounds.clone(),
+                below.iter().map(|&c| c as i64).collect(),
+                sum_us as f64 / 1e6,
+                count as i64,
+            )
+        })
+    }))
+}
+
+/// Per cap and metric: the count since the cap was made, and its 50th, 90th and 99th
+/// percentiles (`stage_e_histogram_quantiles` shows them; NULL without observations).
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)]
+fn stage_e_histogram_quantiles_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, Text),
+        name!(metric, Text),
+        name!(count, i64),
+        name!(p50, Option<Interval>),
+        name!(p90, Option<Interval>),
+        name!(p99, Option<Interval>),
+    ),
+> {
+    let rows = slots::stats().unwrap_or_else(|e| raise(e));
+    let at = |q: f64, b: &[u64; histogram::BUCKETS]| {
+        histogram::quantile(q, b).map(|s| sql::interval_us((s * 1e6).round() as u64))
+    };
+    TableIterator::new(rows.into_iter().flat_map(move |s| {
+        Metric::ALL.map(move |m| {
+            let b = s.hist.of(m);
+            (
+                Text(s.cap.clone()),
+                Text(m.name().to_string()),
+                b.iter().sum::<u64>() as i64,
+                at(0.5, &b),
+                at(0.9, &b),
+                at(0.99, &b),
+            )
+        })
+    }))
 }
 
 /// Held slots of the current database (lock manager truth) and leases (with their token and

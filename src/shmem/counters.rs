@@ -15,6 +15,7 @@
 use super::entry::CapEntry;
 use super::Cap;
 use stage_e_core::counters::{Counter, CounterValues, FlushState, COUNT};
+use stage_e_core::histogram::HistValues;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 
 /// One value per counter, in `CounterValues::NAMES` order.
@@ -65,6 +66,9 @@ impl CapEntry {
                 inflight: self.inflight.load(),
                 inflight_id: self.inflight_id.load(Ordering::Relaxed),
                 settled_id: self.settled_id.load(Ordering::Relaxed),
+                // Not under the seqlock: only the flusher moves their base (`histograms`).
+                hist: self.hist.counts(),
+                hist_base: self.hist.base(),
             };
             std::sync::atomic::fence(Ordering::Acquire);
             if self.version.load(Ordering::Relaxed) == before {
@@ -82,8 +86,9 @@ impl CapEntry {
     }
 
     /// Adds counts saved at the last clean shutdown (`persist`).
-    pub(super) fn carry(&self, v: CounterValues) {
+    pub(super) fn carry(&self, v: CounterValues, hist: HistValues) {
         self.write(|e| e.carried.store(e.carried.load().plus(v)));
+        self.hist.carry(hist);
     }
 
     /// Counts not yet in the table.
@@ -100,6 +105,7 @@ impl CapEntry {
         self.inflight.store(zero);
         self.inflight_id.store(0, Ordering::Relaxed);
         self.settled_id.store(0, Ordering::Relaxed);
+        self.hist.clear();
     }
 }
 
@@ -133,6 +139,7 @@ impl Flushed {
             }
             e.settled_id.store(id, Ordering::Relaxed);
         });
+        e.hist.advance(read.pending_hist());
         e.flusher.store(0, Ordering::Release);
     }
 

@@ -196,6 +196,11 @@ impl Cap {
         room
     }
 
+    /// The n of the cap's latest acquisition (None before the first since it was made).
+    pub fn latest_n(&self) -> Option<u32> {
+        Some(self.entry().latest_n.load(Ordering::Relaxed)).filter(|&n| n > 0)
+    }
+
     /// Records the n of an acquisition (for the row's `n`).
     #[inline]
     pub fn note_n(&self, n: u32) {

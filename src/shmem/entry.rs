@@ -6,13 +6,14 @@
 //! reads them without a lock. The other fields have protocols of their own, each in the file of
 //! its concern: the counters and the flush seqlock (`counters`), the waiters and the front
 //! seats (`waitq`), the lease fields (`leases`), the load averages (`load`), the durable
-//! horizon, floor and hold (`durable`).
+//! horizon, floor and hold (`durable`), the histograms (`histograms`).
 //!
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
 
 use super::counters::{Counters, HotCounters};
 use super::durable::Durable;
+use super::histograms::Histograms;
 use stage_e_core::front::Front;
 use stage_e_core::load::Averages;
 use stage_e_core::state::State;
@@ -67,10 +68,13 @@ pub(super) struct CapEntry {
     pub(super) settled_id: AtomicU64,
     /// The committed lease horizon and token floor, the hold, the journal (`durable`).
     pub(super) durable: Durable,
+    /// The hold and wait histograms, and what of them is flushed (`histograms`).
+    pub(super) hist: Histograms,
 }
 
-/// 768 bytes: twelve cache lines. A change here is a change of the memory budget (README).
-const _: () = assert!(size_of::<CapEntry>() == 768);
+/// 1,216 bytes: nineteen cache lines (twelve, and seven of histograms). A change here is a
+/// change of the memory budget (README, `make bench`).
+const _: () = assert!(size_of::<CapEntry>() == 1216);
 
 /// An entry's identity, as `caps` writes it.
 pub(super) struct Identity<'a> {

@@ -7,6 +7,7 @@
 //! - `pin`: pinning an entry (hazard slots, counted pins) and the pinned handle [`Cap`];
 //! - `caps`: finding, creating, growing and reclaiming caps;
 //! - `counters`: the hot counters and the flush seqlock over a cap's bookkeeping;
+//! - `histograms`: a cap's hold and wait histograms, and their flush base;
 //! - `waitq`: a cap's queue of waiters;
 //! - `leases`: slots held by a token, and fencing tokens;
 //! - `load`: load averages, sampled by the launcher;
@@ -21,6 +22,7 @@ mod caps;
 mod counters;
 mod durable;
 mod entry;
+mod histograms;
 mod launcher;
 mod leases;
 mod load;

@@ -47,7 +47,7 @@ pub(super) fn restore_pending(seg: &Segment) {
         // A database dropped since is reclaimed by the launcher's first round.
         let key = c.key.unwrap_or_else(|| super::caps::first_key(&c.cap));
         match create_at_start(seg, c.database, &c.cap, key) {
-            Ok(entry) => entry.carry(c.values),
+            Ok(entry) => entry.carry(c.values, c.hist),
             Err(e) => {
                 why.get_or_insert(e);
                 kept.push(c);
@@ -200,8 +200,9 @@ fn save_pending(seg: &Segment) {
             cap: e.name(),
             key: Some(e.key()),
             values: e.pending(),
+            hist: e.pending_hist(),
         })
-        .filter(|c| !c.values.is_zero())
+        .filter(|c| !c.is_zero())
         .collect();
     let pending = counters::merge(live, kept);
     if pending.is_empty() {

@@ -11,6 +11,7 @@
 use crate::locks;
 use crate::session::{self, Held};
 use crate::shmem::{self, Cap, Counter};
+use stage_e_core::histogram::Metric;
 use stage_e_core::occupancy;
 
 /// Runs `f` on the cap of `held`: `near` when the caller has that cap pinned already (the
@@ -44,6 +45,7 @@ pub(super) fn drop_bookkeeping(near: Option<&Cap>, held: Held, released_at: Opti
             // Adding 0 (taken and given back in one statement) would cost a locked add on a
             // shared line for nothing.
             let held = (now - acquired_at).max(0) as u64;
+            cap.observe(Metric::Hold, held);
             if held > 0 {
                 cap.counters().bump(Counter::HoldTime, held);
             }

@@ -25,6 +25,7 @@ use crate::locks::{self, Probe};
 use crate::session::{self, Held};
 use crate::shmem::{self, Cap, CapError, Counter};
 use stage_e_core::directory::{self, NameError};
+use stage_e_core::histogram::Metric;
 use stage_e_core::occupancy;
 use stage_e_core::share;
 use stage_e_core::wait::Wait;
@@ -630,6 +631,7 @@ fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
     let held = (now - lease.acquired_at).max(0);
     cap.counters().bump(Counter::Expired, 1);
     cap.counters().bump(Counter::HoldTime, held as u64);
+    cap.observe(Metric::Hold, held as u64);
     // The token is a key to the slot: the server log only, never the client of this backend
     // (which may be another role's, with client_min_messages = log).
     crate::errors::log_server_only(format!(
@@ -741,9 +743,10 @@ pub fn settle_lease(
     Ok(match cap.settle_lease(slot, token as u64, now, extend_to) {
         shmem::LeaseCheck::Live(info) => {
             if releasing {
+                let held = (now - info.acquired_at).max(0) as u64;
                 cap.counters().bump(Counter::Released, 1);
-                cap.counters()
-                    .bump(Counter::HoldTime, (now - info.acquired_at).max(0) as u64);
+                cap.counters().bump(Counter::HoldTime, held);
+                cap.observe(Metric::Hold, held);
             }
             LeaseOutcome::Done
         }

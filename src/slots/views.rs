@@ -9,6 +9,7 @@ use crate::session;
 use crate::shmem::{self, Cap};
 use stage_e_core::counters::CounterValues;
 use stage_e_core::directory::DEFAULT_CAP;
+use stage_e_core::histogram::HistValues;
 use std::collections::HashMap;
 
 pub struct CapStats {
@@ -16,7 +17,11 @@ pub struct CapStats {
     /// The first int4 of its slots' advisory locks.
     pub key: i32,
     pub held: u32,
+    /// The n of its latest acquisition (None before the first).
+    pub n: Option<u32>,
     pub counts: CounterValues,
+    /// Its hold and wait histograms' counts.
+    pub hist: HistValues,
 }
 
 pub struct Holder {
@@ -65,7 +70,9 @@ pub fn stats() -> Result<Vec<CapStats>, SlotError> {
                 cap: name,
                 key,
                 held: granted.iter().filter(|g| g.key == key).count() as u32 + cap.lease_count(),
+                n: cap.latest_n(),
                 counts: cap.counters().load(),
+                hist: cap.histograms(),
             })
         })
         .collect();

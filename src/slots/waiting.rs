@@ -16,6 +16,7 @@ use crate::ffi;
 use crate::session::{self, BackendLocal};
 use crate::shmem::{self, Cap, CapRef, Counter, Ticket};
 use pgrx::pg_sys;
+use stage_e_core::histogram::Metric;
 use std::cell::Cell;
 use std::time::Duration;
 
@@ -102,19 +103,24 @@ pub(super) fn wait_in_line(
             if let Some(got) = super::take(&cap, n, k, from, session::now(), kind)? {
                 drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
-                counters.bump(Counter::WaitTime, waited());
+                let waited = waited();
+                counters.bump(Counter::WaitTime, waited);
+                cap.observe(Metric::Wait, waited);
                 return Ok(Some(got));
             }
         }
-        drop(cap);
         let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
         if left.is_some_and(|l| l.is_zero()) {
+            let waited = waited();
+            cap.observe(Metric::Wait, waited);
+            drop(cap);
             drop(queued);
             counters.bump(Counter::WaitTimeouts, 1);
             counters.bump(Counter::Throttled, 1);
-            counters.bump(Counter::WaitTime, waited());
+            counters.bump(Counter::WaitTime, waited);
             return Ok(None);
         }
+        drop(cap);
         sleep(left.unwrap_or(RECHECK).min(RECHECK), &mut checked);
     }
 }

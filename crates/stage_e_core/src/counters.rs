@@ -1,6 +1,7 @@
 //! Counter values as plain numbers: arithmetic for pending deltas, and the text format in which
 //! pending counts survive a clean restart. Plain Rust, unit-tested without a server.
 
+use crate::histogram::HistValues;
 use serde::Serialize;
 
 /// The counters, in the order of every table and function that shows them, with the SQL type
@@ -263,6 +264,11 @@ pub struct FlushState {
     pub inflight: CounterValues,
     pub inflight_id: u64,
     pub settled_id: u64,
+    /// The histograms' counts, and their value at the last committed flush less what was
+    /// carried (`hist_base`): what is pending of them is the difference. Only the flusher
+    /// writes `hist_base`, and no reader adds them to rows, so they need no in-flight delta.
+    pub hist: HistValues,
+    pub hist_base: HistValues,
 }
 
 impl FlushState {
@@ -281,6 +287,11 @@ impl FlushState {
             _ => pending,
         }
     }
+
+    /// The histogram counts not yet in the table.
+    pub fn pending_hist(&self) -> HistValues {
+        self.hist.minus(self.hist_base)
+    }
 }
 
 /// Pending counts of one cap, as written at a clean shutdown and read at the next start.
@@ -291,6 +302,14 @@ pub struct Carried {
     /// The cap's lock key (None in a file written before 0.7.0: the name's first key).
     pub key: Option<i32>,
     pub values: CounterValues,
+    /// The histograms' pending counts (zeros in a file written before 0.8.0).
+    pub hist: HistValues,
+}
+
+impl Carried {
+    pub fn is_zero(&self) -> bool {
+        self.values.is_zero() && self.hist.is_zero()
+    }
 }
 
 /// `more` added into `into`: one entry per (database, cap), the counts of both summed, in the
@@ -304,7 +323,10 @@ pub fn merge(mut into: Vec<Carried>, more: Vec<Carried>) -> Vec<Carried> {
         .collect();
     for c in more {
         match at.get(&(c.database, c.cap.clone())) {
-            Some(&i) => into[i].values = into[i].values.plus(c.values),
+            Some(&i) => {
+                into[i].values = into[i].values.plus(c.values);
+                into[i].hist = into[i].hist.plus(c.hist);
+            }
             None => {
                 at.insert((c.database, c.cap.clone()), into.len());
                 into.push(c);
@@ -316,36 +338,60 @@ pub fn merge(mut into: Vec<Carried>, more: Vec<Carried>) -> Vec<Carried> {
 
 const FILE_HEADER_V1: &str = "stage_e_slots pending counters v1";
 const FILE_HEADER_V2: &str = "stage_e_slots pending counters v2";
-const FILE_HEADER: &str = "stage_e_slots pending counters v3";
+const FILE_HEADER_V3: &str = "stage_e_slots pending counters v3";
+const FILE_HEADER: &str = "stage_e_slots pending counters v4";
 
 /// One line per cap: database OID, the cap name in hex (names may hold any character), its
-/// lock key (`-` if unknown), then the counters in `NAMES` order.
+/// lock key (`-` if unknown), the counters in `NAMES` order, `|`, then the histograms' counts.
 pub fn encode(pending: &[Carried]) -> String {
     let mut out = format!("{FILE_HEADER}\n");
     for c in pending {
         let hex: String = c.cap.bytes().map(|b| format!("{b:02x}")).collect();
         let key = c.key.map_or("-".to_string(), |k| k.to_string());
         let nums: Vec<String> = c.values.to_array().iter().map(u64::to_string).collect();
-        out.push_str(&format!("{} {hex} {key} {}\n", c.database, nums.join(" ")));
+        let hist: Vec<String> = c.hist.0.iter().map(u64::to_string).collect();
+        out.push_str(&format!(
+            "{} {hex} {key} {} | {}\n",
+            c.database,
+            nums.join(" "),
+            hist.join(" ")
+        ));
     }
     out
 }
 
-/// Parses [`encode`]'s output, the v2 file of 0.2.0 to 0.6.0 (no key), or the v1 file of
+/// Parses [`encode`]'s output, the v3 file of 0.7.0 (no histograms), the v2 file of 0.2.0 to
+/// 0.6.0 (no key either), or the v1 file of
 /// 0.1.0 (one line per database, which had the `default` cap only); None if the file is in
 /// none of these formats (it is then ignored, as pg_stat_statements ignores a dump file of
 /// another version).
 pub fn decode(text: &str) -> Option<Vec<Carried>> {
     let mut lines = text.lines();
-    let (v1, keyed) = match lines.next()? {
-        FILE_HEADER => (false, true),
-        FILE_HEADER_V2 => (false, false),
-        FILE_HEADER_V1 => (true, false),
+    let (v1, keyed, with_hist) = match lines.next()? {
+        FILE_HEADER => (false, true, true),
+        FILE_HEADER_V3 => (false, true, false),
+        FILE_HEADER_V2 => (false, false, false),
+        FILE_HEADER_V1 => (true, false, false),
         _ => return None,
     };
     lines
         .filter(|l| !l.trim().is_empty())
         .map(|l| {
+            let (l, hist) = match (with_hist, l.split_once(" | ")) {
+                (true, Some((counts, hist))) => (counts, Some(hist)),
+                (true, None) => return None,
+                (false, _) => (l, None),
+            };
+            let hist = match hist {
+                None => HistValues::default(),
+                Some(h) => {
+                    let nums: Vec<u64> = h
+                        .split_whitespace()
+                        .map(|w| w.parse().ok())
+                        .collect::<Option<_>>()?;
+                    HistValues(nums.try_into().ok()?)
+                }
+            };
             let mut words = l.split_whitespace();
             let database = words.next()?.parse().ok()?;
             let cap = if v1 {
@@ -378,6 +424,7 @@ pub fn decode(text: &str) -> Option<Vec<Carried>> {
                 cap,
                 key,
                 values,
+                hist,
             })
         })
         .collect()
@@ -397,6 +444,7 @@ mod unit {
                 cap: cap.into(),
                 key: None,
                 values: CounterValues::from_array(a),
+                hist: HistValues([first; crate::histogram::VALUES]),
             }
         };
         let merged = merge(
@@ -446,16 +494,36 @@ mod unit {
                 cap: "default".into(),
                 key: Some(-7),
                 values: v(1),
+                hist: HistValues(std::array::from_fn(|i| i as u64 * 3)),
             },
             Carried {
                 database: 4_000_000_000,
                 cap: "tenant 7\nwith spaces, é".into(),
                 key: None,
                 values: v(u64::MAX - 10),
+                hist: HistValues::default(),
             },
         ];
         assert_eq!(decode(&encode(&pending)), Some(pending));
         assert_eq!(decode(&encode(&[])), Some(vec![]));
+    }
+
+    #[test]
+    fn reads_the_file_of_0_7_0_without_histograms() {
+        let text = format!("{FILE_HEADER_V3}\n16384 6162 -5 1 2 3 4 5 6 7 8 9 10\n");
+        let got = decode(&text).expect("a v3 file");
+        assert_eq!((got[0].cap.as_str(), got[0].key), ("ab", Some(-5)));
+        assert_eq!(got[0].values.expired, 10);
+        assert!(got[0].hist.is_zero());
+        // A v4 line without its histograms, or with too few of them, is damaged.
+        assert_eq!(
+            decode(&format!("{FILE_HEADER}\n16384 6162 -5 1 2 3\n")),
+            None
+        );
+        assert_eq!(
+            decode(&format!("{FILE_HEADER}\n16384 6162 -5 1 2 3 | 1 2\n")),
+            None
+        );
     }
 
     #[test]
@@ -465,9 +533,9 @@ mod unit {
         assert_eq!((got[0].cap.as_str(), got[0].key), ("ab", None));
         assert_eq!(got[0].values.released_by_exit, 5);
         // A v3 line without its key is damaged, not a v2 line.
-        assert_eq!(decode(&format!("{FILE_HEADER}\n16384 6162\n")), None);
+        assert_eq!(decode(&format!("{FILE_HEADER_V3}\n16384 6162\n")), None);
         assert_eq!(
-            decode(&format!("{FILE_HEADER}\n16384 6162 x 1 2 3 4 5\n")),
+            decode(&format!("{FILE_HEADER_V3}\n16384 6162 x 1 2 3 4 5\n")),
             None
         );
     }
@@ -489,6 +557,7 @@ mod unit {
                     released_by_exit: 5,
                     ..Default::default()
                 },
+                hist: HistValues::default(),
             }])
         );
     }
@@ -516,7 +585,15 @@ mod unit {
             },
             inflight_id,
             settled_id: 0,
+            hist: HistValues([9; crate::histogram::VALUES]),
+            hist_base: HistValues([4; crate::histogram::VALUES]),
         }
+    }
+
+    #[test]
+    fn pending_histograms_are_the_counts_less_their_base() {
+        let s = state(50, 20, 0, 0);
+        assert_eq!(s.pending_hist(), HistValues([5; crate::histogram::VALUES]));
     }
 
     #[test]

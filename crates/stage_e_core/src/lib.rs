@@ -9,6 +9,7 @@
 //! - `arena`: the buddy allocator of slot blocks;
 //! - `directory`: cap names, lock keys and the (database, name) index;
 //! - `counters`: the one list of counters, their values and the pending-counts file;
+//! - `histogram`: the hold and wait histograms' buckets, and their quantiles;
 //! - `layout`: where each part of the shared segment starts, from the settings;
 //! - `state`: a cap entry's state word (generation, lock bit, counted pins) and hazard pins;
 //! - `front`: the front seats of a cap's queue of waiters, and which slots a call may take while
@@ -27,6 +28,7 @@ pub mod counters;
 pub mod arena;
 pub mod directory;
 pub mod front;
+pub mod histogram;
 pub mod layout;
 pub mod lease;
 pub mod lifecycle;

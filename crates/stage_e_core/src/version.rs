@@ -20,13 +20,16 @@ pub enum SchemaVersion {
     /// Cap names never refused for a colliding lock key: each counter row records its cap's key
     /// (`lock_key`), and `stage_e_cap_key` reads it.
     V0_7_0,
+    /// Metrics: hold and wait histograms (`stage_e_histograms`, kept in the counter rows'
+    /// `hold_buckets` and `wait_buckets`), the cap's current n in `stage_e_stats`.
+    V0_8_0,
 }
 
 impl SchemaVersion {
     /// The version of this library's own install script.
-    pub const CURRENT: SchemaVersion = SchemaVersion::V0_7_0;
+    pub const CURRENT: SchemaVersion = SchemaVersion::V0_8_0;
 
-    pub const ALL: [SchemaVersion; 7] = [
+    pub const ALL: [SchemaVersion; 8] = [
         SchemaVersion::V0_1_0,
         SchemaVersion::V0_2_0,
         SchemaVersion::V0_3_0,
@@ -34,6 +37,7 @@ impl SchemaVersion {
         SchemaVersion::V0_5_0,
         SchemaVersion::V0_6_0,
         SchemaVersion::V0_7_0,
+        SchemaVersion::V0_8_0,
     ];
 
     /// `pg_extension.extversion` as a version; None for one this library does not know.
@@ -50,6 +54,7 @@ impl SchemaVersion {
             SchemaVersion::V0_5_0 => "0.5.0",
             SchemaVersion::V0_6_0 => "0.6.0",
             SchemaVersion::V0_7_0 => "0.7.0",
+            SchemaVersion::V0_8_0 => "0.8.0",
         }
     }
 
@@ -76,6 +81,11 @@ impl SchemaVersion {
         self >= SchemaVersion::V0_7_0
     }
 
+    /// Whether counter rows keep the hold and wait histograms (`hold_buckets`, `wait_buckets`).
+    pub fn has_histograms(self) -> bool {
+        self >= SchemaVersion::V0_8_0
+    }
+
     /// How many counters (of `counters::CounterValues::NAMES`, in order) its table and
     /// functions have.
     pub fn counter_columns(self) -> usize {
@@ -85,7 +95,8 @@ impl SchemaVersion {
             SchemaVersion::V0_4_0
             | SchemaVersion::V0_5_0
             | SchemaVersion::V0_6_0
-            | SchemaVersion::V0_7_0 => crate::counters::COUNT,
+            | SchemaVersion::V0_7_0
+            | SchemaVersion::V0_8_0 => crate::counters::COUNT,
         }
     }
 }
@@ -116,15 +127,17 @@ mod unit {
                 crate::counters::COUNT,
                 crate::counters::COUNT,
                 crate::counters::COUNT,
+                crate::counters::COUNT,
                 crate::counters::COUNT
             ]
         );
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.has_named_caps()),
-            [false, true, true, true, true, true, true]
+            [false, true, true, true, true, true, true, true]
         );
         assert!(!V0_3_0.has_leases() && V0_4_0.has_leases());
         assert!(!V0_5_0.has_lease_horizon() && V0_6_0.has_lease_horizon());
         assert!(!V0_6_0.has_key_records() && V0_7_0.has_key_records());
+        assert!(!V0_7_0.has_histograms() && V0_8_0.has_histograms());
     }
 }

@@ -1,0 +1,80 @@
+//! A cap's hold and wait histograms (the buckets are `stage_e_core::histogram`'s).
+//!
+//! **Counts.** One relaxed atomic per bucket, bumped once per observation (a release, a lease's
+//! expiry, the end of a wait) next to the `hold_time` or `wait_time` counter that is its sum:
+//! no lock, no allocation. Like the counters they count since the cap was made.
+//!
+//! **Durability.** `base` is what the counts were at the cap's last committed flush, less what
+//! the pending file carried in at start: the pending counts are `counts - base` (wrapping, as
+//! the counts are monotonic). Only the holder of the cap's flusher role (`counters`) moves
+//! `base`, when its flush commits; otherwise only the postmaster at start (the carry) and a
+//! reclaim (under the exclusive directory lock, no pin) write it. So it needs no seqlock. No
+//! reader adds these counts to table rows (the totals view does that for the counters only), so
+//! no in-flight delta is kept either.
+
+use super::entry::CapEntry;
+use super::Cap;
+use stage_e_core::histogram::{self, HistValues, Metric, VALUES};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+#[repr(C, align(64))]
+pub(super) struct Histograms {
+    counts: [AtomicU64; VALUES],
+    base: [AtomicU64; VALUES],
+}
+
+fn load(a: &[AtomicU64; VALUES]) -> HistValues {
+    HistValues(std::array::from_fn(|i| a[i].load(Ordering::Relaxed)))
+}
+
+fn store(a: &[AtomicU64; VALUES], v: HistValues) {
+    for (a, v) in a.iter().zip(v.0) {
+        a.store(v, Ordering::Relaxed);
+    }
+}
+
+impl Histograms {
+    pub(super) fn counts(&self) -> HistValues {
+        load(&self.counts)
+    }
+
+    pub(super) fn base(&self) -> HistValues {
+        load(&self.base)
+    }
+
+    /// The flusher's flush committed having read `pending`: those counts are in the table now.
+    pub(super) fn advance(&self, pending: HistValues) {
+        store(&self.base, self.base().plus(pending));
+    }
+
+    /// At start: counts saved at the last clean shutdown are pending again.
+    pub(super) fn carry(&self, pending: HistValues) {
+        store(&self.base, self.base().minus(pending));
+    }
+
+    /// Reclaiming (exclusive directory lock, no pin): back to zero.
+    pub(super) fn clear(&self) {
+        store(&self.counts, HistValues::default());
+        store(&self.base, HistValues::default());
+    }
+}
+
+impl CapEntry {
+    /// The histogram counts not yet in the table (at shutdown, with no flusher left).
+    pub(super) fn pending_hist(&self) -> HistValues {
+        self.hist.counts().minus(self.hist.base())
+    }
+}
+
+impl Cap {
+    /// Counts a duration of `us` microseconds in `metric`'s histogram.
+    #[inline]
+    pub fn observe(&self, metric: Metric, us: u64) {
+        self.entry().hist.counts[histogram::index(metric, us)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The histograms' counts since the cap was made.
+    pub fn histograms(&self) -> HistValues {
+        self.entry().hist.counts()
+    }
+}
