@@ -18,7 +18,7 @@ install_base_scripts = $(SUDO) install -m 644 $(BASE_SCRIPTS) \
 export PG_CONFIG
 
 .PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
-        test-integration test-isolation lint clean package test-package
+        test-integration test-isolation test-monitoring lint clean package test-package
 
 deps:
 	@scripts/install-deps.sh $(PG) $(PG_CONFIG)
@@ -46,7 +46,7 @@ bench: install
 
 ## Everything, on PostgreSQL $(PG): slot-search and counter unit tests, in-server tests,
 ## multi-session tests on real clusters, the Python helper and the Django replay.
-test: deps test-unit test-pg test-integration test-isolation
+test: deps test-monitoring test-unit test-pg test-integration test-isolation
 
 ## The whole suite on every supported major.
 test-all:
@@ -80,6 +80,17 @@ test-isolation: install-dev
 	  --bindir="$$($(PG_CONFIG) --bindir)" --inputdir=$(ISOLATION_OUT) \
 	  --outputdir=$(ISOLATION_OUT)/out $(ISOLATION_SPECS) \
 	  || { cat $(ISOLATION_OUT)/out/regression.diffs 2>/dev/null; exit 1; }
+
+# The monitoring files (monitoring/), offline: the alert rules checked and unit-tested with
+# promtool, and every PromQL expression of the Grafana dashboard parsed by promtool, as one
+# recording rule per panel query ($cap and $db as .*, $__rate_interval as 1m). The exporter
+# and Prometheus themselves run in tests/test_monitoring.py (test-integration).
+test-monitoring: deps
+	promtool check rules monitoring/alerts.yaml
+	promtool test rules monitoring/alerts.test.yaml
+	rules=$$(mktemp --suffix=.json) && trap 'rm -f "$$rules"' EXIT && \
+	  python3 scripts/monitoring.py dashboard-rules monitoring/grafana-dashboard.json > "$$rules" && \
+	  promtool check rules "$$rules"
 
 ## Release artifacts in dist/ (scripts/package.sh): a .tar.gz for the PostgreSQL that PG_CONFIG
 ## names and, for Debian's PostgreSQL, postgresql-$(PG)-stage-e-slots_<version>_amd64.deb.

@@ -9,7 +9,11 @@
 # from npm into tests/drivers/node, and asyncpg and psycopg2 in the venv. Where the Patroni
 # failover test runs (tests/test_patroni.py: PostgreSQL 15, or STAGE_E_PATRONI_TESTS=1), also
 # Debian's patroni and etcd-server, with the services they enable disabled (the test starts its
-# own etcd and Patroni on other ports). As a non-root user it only lists what is missing.
+# own etcd and Patroni on other ports). For the monitoring files (monitoring/, `make
+# test-monitoring`, tests/test_monitoring.py): Debian's prometheus-postgres-exporter and
+# prometheus (promtool comes with it), installed without their recommends (node-exporter and
+# its collectors), with the services they enable disabled and stopped (the tests start their
+# own on free loopback ports). As a non-root user it only lists what is missing.
 # Usage: install-deps.sh [MAJOR [PG_CONFIG]]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,10 +36,20 @@ if [ "$MAJOR" = 15 ] || [ "${STAGE_E_PATRONI_TESTS:-}" = 1 ]; then
   PATRONI=1
   PACKAGES+=(patroni etcd-server)
 fi
+# Installed with --no-install-recommends: the recommends pull in prometheus-node-exporter and
+# its collectors (smartmontools, ipmitool, nvme-cli and more), 38 packages instead of 13.
+MONITORING=(prometheus-postgres-exporter prometheus)
 
+installed() {
+  dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"
+}
 missing=()
 for p in "${PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  installed "$p" || missing+=("$p")
+done
+missing_monitoring=()
+for p in "${MONITORING[@]}"; do
+  installed "$p" || missing_monitoring+=("$p")
 done
 # python3-venv is only needed when this python3 cannot make a venv by itself.
 if python3 -c 'import venv, ensurepip' 2>/dev/null; then
@@ -47,14 +61,23 @@ if command -v npm >/dev/null 2>&1; then
 fi
 read -r -a missing <<<"${missing[*]}"
 
-if ((${#missing[@]})); then
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "stage_e_slots needs these Debian packages, which are not installed:" >&2
-    echo "  sudo apt-get install -y ${missing[*]}" >&2
-    exit 1
-  fi
-  echo "==> apt-get install ${missing[*]}"
+if ((${#missing[@]} + ${#missing_monitoring[@]})) && [ "$(id -u)" -ne 0 ]; then
+  echo "stage_e_slots needs these Debian packages, which are not installed:" >&2
+  ((${#missing[@]})) && echo "  sudo apt-get install -y ${missing[*]}" >&2
+  ((${#missing_monitoring[@]})) &&
+    echo "  sudo apt-get install -y --no-install-recommends ${missing_monitoring[*]}" >&2
+  exit 1
+fi
+if ((${#missing[@]} + ${#missing_monitoring[@]})); then
   apt-get update -qq
+fi
+if ((${#missing_monitoring[@]})); then
+  echo "==> apt-get install --no-install-recommends ${missing_monitoring[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+    --no-install-recommends "${missing_monitoring[@]}" >/dev/null
+fi
+if ((${#missing[@]})); then
+  echo "==> apt-get install ${missing[*]}"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   if [[ " ${missing[*]} " == *" pgbouncer "* ]]; then
     # Debian's package starts a system pgbouncer on port 6432 and enables it at boot; the tests
@@ -89,6 +112,29 @@ if [ "$PATRONI" = 1 ] && [ "$(id -u)" -eq 0 ] && [ -e /etc/init.d/etcd ]; then
     if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = etcd ]; then
       echo "==> stopping the default etcd (pid $pid) on port 2379"
       kill "$pid" 2>/dev/null || true
+    fi
+  done
+fi
+
+# The same for Debian's prometheus (9090) and prometheus-postgres-exporter (9187): their postinst
+# enables both services (systemd units and SysV links) and starts them where policy-rc.d allows
+# it; tests/test_monitoring.py starts its own, so disable both and stop whatever of them runs.
+# `systemctl disable` also works without a running systemd (it removes the unit symlinks and
+# the SysV links). Checked on every run, and silent when there is nothing to do.
+if [ "$(id -u)" -eq 0 ]; then
+  for svc in prometheus prometheus-postgres-exporter; do
+    [ -e "/etc/init.d/$svc" ] || continue
+    if compgen -G "/etc/rc[2-5].d/S[0-9][0-9]$svc" >/dev/null ||
+       [ -e "/etc/systemd/system/multi-user.target.wants/$svc.service" ]; then
+      echo "==> disabling the $svc service the package enabled"
+      systemctl disable "$svc.service" >/dev/null 2>&1 || update-rc.d "$svc" disable >/dev/null 2>&1 || true
+    fi
+    if [ -d /run/systemd/system ] && systemctl -q is-active "$svc" 2>/dev/null; then
+      systemctl stop "$svc" >/dev/null 2>&1 || true
+    fi
+    if "/etc/init.d/$svc" status >/dev/null 2>&1; then
+      echo "==> stopping the $svc service"
+      "/etc/init.d/$svc" stop >/dev/null 2>&1 || true
     fi
   done
 fi
