@@ -647,7 +647,10 @@ def plot(r: dict, path: Path) -> None:
 def main() -> int:
     RESULTS.mkdir(exist_ok=True)
     started = time.monotonic()
+    # The throttled figures fill a cap of BIG_N slots and CAPS caps of 8 from one session: it
+    # may hold them all.
     settings = {"fsync": "on", "stage_e_slots.max_slots": BIG_N,
+                "stage_e_slots.max_session_slots": BIG_N + 8 * CAPS,
                 "max_locks_per_transaction": 512, "max_connections": 100}
     cluster = Cluster("bench", settings).init().start()
     r: dict = {}
