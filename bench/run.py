@@ -19,8 +19,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "scripts"))
+import adaptive  # noqa: E402
 from pgbouncer import PgBouncer  # noqa: E402
-from pgcluster import Cluster, bindir  # noqa: E402
+from pgcluster import PG_CONFIG, Cluster, bindir  # noqa: E402
 
 KEY = 20260725
 ROUNDS = 3
@@ -669,16 +670,21 @@ def main() -> int:
         r["memory"] = memory_per_cap_and_slot(cluster)
     finally:
         cluster.destroy()
+    # Adaptive caps, on a cluster of their own (bench/adaptive.py).
+    r["adaptive"] = adaptive.bench_adaptive(PG_CONFIG)
     r["seconds"] = round(time.monotonic() - started)
     r["commit"] = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip() or "unknown"
-    table = report(r)
+    table = report(r) + "\n\n" + adaptive.report(r["adaptive"])
     print("\n" + table)
     (RESULTS / "results.json").write_text(json.dumps(r, indent=2) + "\n")
     (RESULTS / "summary.md").write_text(table + "\n")
     plot(r, RESULTS / "bench.png")
-    print(f"\nWrote {RESULTS}/results.json, summary.md, bench.png ({r['seconds']} s)")
-    return 0 if all(ok for *_, ok in targets(r)) else 1
+    adaptive.plot(r["adaptive"], RESULTS / "adaptive.png")
+    print(f"\nWrote {RESULTS}/results.json, summary.md, bench.png, adaptive.png "
+          f"({r['seconds']} s)")
+    met = [ok for *_, ok in targets(r)] + [ok for *_, ok in adaptive.targets(r["adaptive"])]
+    return 0 if all(met) else 1
 
 
 if __name__ == "__main__":

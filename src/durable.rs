@@ -101,6 +101,7 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
             log_hold(name, &database, until, reason.as_str(), 0);
         }
     }
+    crate::slots::adapt::restore(ext)?;
     shmem::mark_loaded(db, true, min_token);
     Ok(())
 }

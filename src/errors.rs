@@ -192,6 +192,47 @@ pub fn describe(e: &SlotError) -> Described {
                     .into(),
             ),
         ),
+        SlotError::BadBounds(e) => {
+            use stage_e_core::adapt::BoundsError::*;
+            let (message, hint) = match e {
+                MinBelowOne { min } => (
+                    format!("min_slots must be at least 1, not {min}"),
+                    "Pass the fewest slots the cap may shrink to, such as 1.".to_string(),
+                ),
+                MaxBelowMin { min, max } => (
+                    format!("max_slots ({max}) must be at least min_slots ({min})"),
+                    "Pass bounds with min_slots <= max_slots.".to_string(),
+                ),
+                MaxAboveMaxSlots { max, max_slots } => (
+                    format!("max_slots ({max}) is above stage_e_slots.max_slots ({max_slots})"),
+                    format!(
+                        "Pass a max_slots of at most {max_slots}, or raise \
+                         stage_e_slots.max_slots in postgresql.conf and restart."
+                    ),
+                ),
+            };
+            said(
+                ERRCODE_INVALID_PARAMETER_VALUE,
+                message,
+                "stage_e_adapt keeps a cap's learned limit within [min_slots, max_slots]; \
+                 nothing was changed."
+                    .into(),
+                Some(hint),
+            )
+        }
+        SlotError::NoPolicyRecord { max } => said(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            "stage_e_slots has no room for another adaptive cap".into(),
+            format!(
+                "All {max} adaptive policy records (stage_e_slots.max_adaptive_caps) are in use; \
+                 nothing was changed."
+            ),
+            Some(
+                "Turn adaptation off for caps that need it no longer (stage_e_adapt_off), or \
+                 raise stage_e_slots.max_adaptive_caps in postgresql.conf and restart."
+                    .into(),
+            ),
+        ),
         SlotError::TtlTooLong { ttl_us, max_us } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             format!(

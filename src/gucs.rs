@@ -14,6 +14,8 @@ pub const DEFAULT_SLOT_MEMORY_KB: i32 = 2048;
 pub const MAX_SLOT_MEMORY_KB: i32 = 1 << 20;
 pub const DEFAULT_MAX_LEASES: i32 = 4096;
 pub const MAX_MAX_LEASES: i32 = 1 << 20;
+pub const DEFAULT_MAX_ADAPTIVE_CAPS: i32 = 64;
+pub const MAX_MAX_ADAPTIVE_CAPS: i32 = 1 << 16;
 pub const DEFAULT_FLUSH_INTERVAL_MS: i32 = 10_000;
 pub const MIN_FLUSH_INTERVAL_MS: i32 = 100;
 pub const MAX_FLUSH_INTERVAL_MS: i32 = 3_600_000;
@@ -27,6 +29,7 @@ pub const DEFAULT_FLUSH_GIVE_UP_MS: i32 = 300_000;
 pub const MAX_FLUSH_GIVE_UP_MS: i32 = 86_400_000;
 
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
+static MAX_ADAPTIVE_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_ADAPTIVE_CAPS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
 static MAX_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_CAPS);
 static SLOT_MEMORY_KB: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_SLOT_MEMORY_KB);
@@ -92,6 +95,17 @@ pub fn init() {
         &MAX_LEASES,
         16,
         MAX_MAX_LEASES,
+        GucContext::Postmaster,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.max_adaptive_caps",
+        c"How many caps (of all databases) can be adaptive at once (stage_e_adapt).",
+        c"Each takes 256 bytes of shared memory. An adaptive cap's policy is kept apart from \
+          its entry, so that it outlives the entry's reclaim.",
+        &MAX_ADAPTIVE_CAPS,
+        0,
+        MAX_MAX_ADAPTIVE_CAPS,
         GucContext::Postmaster,
         GucFlags::empty(),
     );
@@ -216,6 +230,10 @@ pub fn max_caps() -> u32 {
 
 pub fn max_leases() -> u32 {
     MAX_LEASES.get() as u32
+}
+
+pub fn max_adaptive_caps() -> u32 {
+    MAX_ADAPTIVE_CAPS.get() as u32
 }
 
 pub fn slot_memory_bytes() -> usize {

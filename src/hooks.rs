@@ -7,7 +7,11 @@
 //!   extension's back (`DISCARD ALL`, `pg_advisory_unlock_all()`, `pg_advisory_unlock(key,
 //!   slot)`; all of which only the holder itself can run) are cleared from shared memory
 //!   (`slots::held::reconcile`).
-//! - At subtransaction end, a flush made in it is settled or handed to its parent.
+//! - At subtransaction end, a flush made in it is settled or handed to its parent, and so are
+//!   the adaptive policy changes made in it.
+//! - At commit, the policy changes of `stage_e_adapt` / `stage_e_adapt_off` (whose rows the
+//!   transaction wrote) reach shared memory (`slots::adapt::apply_committed`); an abort drops
+//!   them with the rows.
 //! - `DROP EXTENSION stage_e_slots` (also through `DROP SCHEMA ... CASCADE` or `DROP OWNED`) is
 //!   noticed by an object-access hook, installed in `_PG_init` (the one hook every backend
 //!   inherits), and remembered with its subtransaction; when the dropping transaction commits,
@@ -119,14 +123,21 @@ unsafe extern "C-unwind" fn on_xact_end(
         XACT_EVENT_PRE_PREPARE if session::flushing() => {
             pgrx::error!("cannot PREPARE a transaction that flushed stage_e_slots counters")
         }
+        XACT_EVENT_PRE_PREPARE if session::changes_policies() => {
+            pgrx::error!(
+                "cannot PREPARE a transaction that called stage_e_adapt or stage_e_adapt_off"
+            )
+        }
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
             session::settle_flush(true);
+            crate::slots::adapt::apply_committed(session::take_policies(true));
             if DROPPED_IN.take().is_some() {
                 crate::slots::end_database();
             }
         }
         XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => {
             session::settle_flush(false);
+            session::take_policies(false);
             DROPPED_IN.set(None);
         }
         _ => return,

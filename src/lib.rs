@@ -7,6 +7,7 @@
 //! - the SQL surface: `api` (by surface: slots, leases, stats, snapshot), `compat` (earlier
 //!   versions' symbols), `errors` (how failures are reported);
 //! - the logic: `slots` (acquire, release, leases; `slots::waiting`, the wait policy;
+//!   `slots::adapt`, adaptive caps;
 //!   `slots::held`, what happens to slots whose lock went away; `slots::durable`, the lifecycle
 //!   rules a call keeps; `slots::views`, what the views read), `flush` (durable counts),
 //!   `durable` (loading and advancing the lease horizons), `worker` (the launcher and

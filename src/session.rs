@@ -6,7 +6,7 @@
 //! held slots in `slots::held`). All state is in [`BackendLocal`] statics: a backend is one thread.
 
 use crate::ffi;
-use crate::shmem::{CapRef, Flushed, Ticket};
+use crate::shmem::{CapRef, Flushed, PolicyChange, Ticket};
 use pgrx::pg_sys;
 use stage_e_core::counters::FlushState;
 use stage_e_core::directory::{NameHash, DEFAULT_CAP};
@@ -104,6 +104,10 @@ static RECOVERY_DONE: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(fal
 /// loaded, it stays loaded for the life of the segment, which outlives this backend.
 static DATABASE_LOADED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
 static FLUSH: BackendLocal<RefCell<Option<Flush>>> = BackendLocal::new(RefCell::new(None));
+/// Policy changes this transaction made (`stage_e_adapt`, `stage_e_adapt_off`), by the
+/// subtransaction that made each, applied at its commit.
+static POLICIES: BackendLocal<RefCell<Vec<PendingPolicy>>> =
+    BackendLocal::new(RefCell::new(Vec::new()));
 
 // -- who this backend is ---------------------------------------------------------------------
 
@@ -429,6 +433,67 @@ pub fn settle_flush(commit: bool) {
     }
 }
 
+// -- the policy changes its transaction makes ------------------------------------------------
+
+/// A policy change made in subtransaction `subxact`, for the cap `cap` of this database.
+pub struct PendingPolicy {
+    pub subxact: pg_sys::SubTransactionId,
+    pub cap: String,
+    pub change: PolicyChange,
+    /// The LOG line to write once it is applied (made while catalogs can be read).
+    pub log: String,
+}
+
+/// This transaction (its current subtransaction) changed `cap`'s policy; applied at its commit
+/// (`hooks`, which the caller has registered). A later change of the same cap replaces it.
+pub fn policy_changed(cap: &str, change: PolicyChange, log: String) {
+    // SAFETY: reads the current transaction state; we are inside a transaction.
+    let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
+    POLICIES.with_borrow_mut(|p| {
+        p.push(PendingPolicy {
+            subxact,
+            cap: cap.to_string(),
+            change,
+            log,
+        })
+    });
+}
+
+/// Whether this transaction changed a policy (PREPARE refuses it: the change would have to
+/// follow a commit made later, by another session).
+pub fn changes_policies() -> bool {
+    POLICIES.with_borrow(|p| !p.is_empty())
+}
+
+/// The transaction ended: the changes to apply (commit), in the order they were made; none
+/// when it aborted.
+pub fn take_policies(commit: bool) -> Vec<PendingPolicy> {
+    let all = POLICIES.take();
+    if commit {
+        all
+    } else {
+        Vec::new()
+    }
+}
+
+/// Subtransaction `mine` ended: its policy changes belong to `parent` (commit) or are undone
+/// with its row changes (abort).
+fn policies_subxact_ended(
+    mine: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+    commit: bool,
+) {
+    POLICIES.with_borrow_mut(|p| {
+        if commit {
+            p.iter_mut()
+                .filter(|c| c.subxact == mine)
+                .for_each(|c| c.subxact = parent);
+        } else {
+            p.retain(|c| c.subxact != mine);
+        }
+    });
+}
+
 /// Subtransaction `mine` ended. If it made the flush: aborted, its row change is undone, so the
 /// delta is pending again (and this transaction may flush anew); committed, the flush belongs
 /// to `parent` now.
@@ -437,6 +502,7 @@ pub fn subxact_ended(
     parent: pg_sys::SubTransactionId,
     commit: bool,
 ) {
+    policies_subxact_ended(mine, parent, commit);
     let owns = FLUSH.with_borrow(|f| f.as_ref().is_some_and(|f| f.subxact == mine));
     if !owns {
         return;

@@ -311,11 +311,17 @@ pub fn retention_query(ext: &Extension) -> String {
     } else {
         (String::new(), "0::pg_catalog.int8")
     };
+    // An adaptive cap's row keeps its policy: never deleted while it has one.
+    let policy = if ext.version.has_adaptive() {
+        " AND c.adapt_max IS NULL"
+    } else {
+        ""
+    };
     format!(
         "WITH busy AS (SELECT b.cap FROM pg_catalog.unnest($2::pg_catalog.text[]) AS b (cap)), \
          old AS ( \
            SELECT c.cap FROM {schema}.stage_e_throttle_counter AS c \
-            WHERE c.flushed_at OPERATOR(pg_catalog.<) {old} \
+            WHERE c.flushed_at OPERATOR(pg_catalog.<) {old}{policy} \
               AND NOT EXISTS (SELECT FROM busy WHERE busy.cap OPERATOR(pg_catalog.=) c.cap) \
             LIMIT $3), \
          gone AS ( \
@@ -426,6 +432,63 @@ pub fn key_book_query(ext: &Extension) -> String {
     format!(
         "SELECT cap, lock_key FROM {}.stage_e_throttle_counter \
           WHERE cap OPERATOR(pg_catalog.=) $1 OR lock_key OPERATOR(pg_catalog.=) ANY ($2)",
+        ext.schema
+    )
+}
+
+/// `stage_e_adapt`'s write, in the caller's transaction: the policy into the cap's row
+/// (inserted if the cap has none), `$1` the cap, `$2` min_slots, `$3` max_slots, `$4` enforce,
+/// `$5` the limit the cap has learned, clamped to the new bounds (NULL for a new policy).
+pub fn adapt_write_query(ext: &Extension) -> String {
+    format!(
+        "INSERT INTO {}.stage_e_throttle_counter AS t \
+                (cap, adapt_min, adapt_max, adapt_enforce, adapt_limit) \
+         VALUES ($1::pg_catalog.text, $2::pg_catalog.int4, $3::pg_catalog.int4, \
+                 $4::pg_catalog.bool, $5::pg_catalog.int4) \
+         ON CONFLICT (cap) DO UPDATE SET \
+                adapt_min = excluded.adapt_min, adapt_max = excluded.adapt_max, \
+                adapt_enforce = excluded.adapt_enforce, adapt_limit = excluded.adapt_limit, \
+                adapt_baseline = CASE WHEN t.adapt_max IS NULL THEN NULL \
+                    ELSE t.adapt_baseline END",
+        ext.schema
+    )
+}
+
+/// `stage_e_adapt_off`'s write: the cap's row keeps no policy; `$1` the cap.
+pub fn adapt_off_query(ext: &Extension) -> String {
+    format!(
+        "UPDATE {}.stage_e_throttle_counter SET adapt_min = NULL, adapt_max = NULL, \
+                adapt_enforce = NULL, adapt_limit = NULL, adapt_baseline = NULL \
+          WHERE cap OPERATOR(pg_catalog.=) $1::pg_catalog.text",
+        ext.schema
+    )
+}
+
+/// The flusher's write of learned limits: `$1` caps, `$2` limits, `$3` baselines (µs, NULL for
+/// none), into the rows that still have a policy.
+pub fn adapt_limits_query(ext: &Extension) -> String {
+    format!(
+        "UPDATE {}.stage_e_throttle_counter AS t \
+            SET adapt_limit = LEAST(GREATEST(u.lim, t.adapt_min), t.adapt_max), \
+                adapt_baseline = pg_catalog.make_interval(secs => \
+                    u.baseline OPERATOR(pg_catalog./) 1000000.0::pg_catalog.float8) \
+           FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.text[]), \
+                           pg_catalog.unnest($2::pg_catalog.int4[]), \
+                           pg_catalog.unnest($3::pg_catalog.float8[])) \
+                AS u (cap, lim, baseline) \
+          WHERE t.cap OPERATOR(pg_catalog.=) u.cap AND t.adapt_max IS NOT NULL",
+        ext.schema
+    )
+}
+
+/// The policies to restore at a load: `(cap, min, max, enforce, limit, baseline µs)`.
+pub fn adapt_rows_query(ext: &Extension) -> String {
+    format!(
+        "SELECT t.cap, t.adapt_min, t.adapt_max, t.adapt_enforce, t.adapt_limit, \
+                pg_catalog.date_part('epoch', t.adapt_baseline) \
+                   OPERATOR(pg_catalog.*) 1000000.0::pg_catalog.float8 \
+           FROM {}.stage_e_throttle_counter AS t \
+          WHERE t.adapt_max IS NOT NULL AND t.adapt_min IS NOT NULL",
         ext.schema
     )
 }

@@ -35,6 +35,9 @@ use std::time::{Duration, Instant};
 const LIBRARY: &str = "stage_e_slots";
 /// How often the launcher samples the caps' load (held slots, throttles) at most.
 const LOAD_SAMPLE: Duration = Duration::from_secs(5);
+/// How often adaptive caps learn from their windows, while there are any
+/// (`stage_e_core::adapt::WINDOW_US`).
+const ADAPT_EVERY: Duration = Duration::from_micros(stage_e_core::adapt::WINDOW_US as u64);
 /// With `stage_e_slots.counter_retention` on, each database is swept (its old counter rows
 /// deleted) every retention, but at most every minute and at least every flush interval.
 const SWEEP_MAX: Duration = Duration::from_secs(60);
@@ -65,6 +68,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     let mut last_round = Instant::now();
     let mut last_sample: Option<Instant> = None;
     let mut last_sweep: Option<Instant> = None;
+    let mut last_adapt: Option<Instant> = None;
     let mut first = true;
     let mut backoff = Backoff::default();
     let mut failing = Failing::default();
@@ -89,6 +93,11 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
             slots::expire_leases_everywhere();
             last_sample = Some(now);
         }
+        let adaptive = slots::adapt::any();
+        if adaptive && last_adapt.is_none_or(|t| now >= t + ADAPT_EVERY) {
+            slots::adapt::tick();
+            last_adapt = Some(now);
+        }
         let due = last_round + interval;
         // A backend that found the caps crowded asks for a round now (shmem::request_flush);
         // one that needs a horizon advance or a load asks for those (shmem::request_advance).
@@ -105,6 +114,9 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
             let mut wake = due.min(next_sample).max(now);
             if shmem::durable_watch() {
                 wake = wake.min(now + JOURNAL_LOOK);
+            }
+            if adaptive {
+                wake = wake.min(last_adapt.map_or(now, |t| t + ADAPT_EVERY));
             }
             if let Some(at) = retry_at {
                 wake = wake.min(at.max(now));
@@ -281,6 +293,10 @@ fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>, failing: &mut Fai
         for db in shmem::databases_with_pending() {
             add(db, COUNTERS_BIT);
         }
+        // Learned limits are written by any flusher of their database (`slots::adapt`).
+        for db in shmem::databases_with_limits_to_write() {
+            add(db, 0);
+        }
     }
     if sweep {
         // Dropped databases' records are gone (reclaim_dropped, just above).
@@ -330,11 +346,13 @@ fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>, failing: &mut Fai
 fn reclaim_dropped() {
     let mut dbs = shmem::databases();
     dbs.extend(shmem::recorded_databases());
+    dbs.extend(shmem::policy_databases());
     dbs.sort_unstable();
     dbs.dedup();
     for db in dbs {
         if !BackgroundWorker::transaction(|| session::database_exists(db)) {
             shmem::reclaim_database(db);
+            slots::adapt::end_database(db);
         }
     }
 }
@@ -424,6 +442,16 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
                 )),
             }
         }
+        // Adaptive caps' learned limits, so that a restart resumes from them.
+        let limits = match &ext {
+            Some(ext) => slots::adapt::write_limits(ext).unwrap_or_else(|e| {
+                errors::fail(format!(
+                    "stage_e_slots: could not write the adaptive limits of database {}: {e}",
+                    db.to_u32()
+                ))
+            }),
+            None => Vec::new(),
+        };
         if let (true, Some(ext), Some(retention)) = (sweep, &ext, gucs::counter_retention()) {
             let keep = written.iter().filter_map(|w| w.name()).collect();
             match flush::expire(ext, retention, keep) {
@@ -450,8 +478,10 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
                 )),
             }
         }
-        written
+        (written, limits)
     });
+    let (written, limits) = written;
+    shmem::limits_written(db.to_u32(), &limits);
     // Committed: grants may now rely on it.
     durable::publish(written);
     shmem::note_flusher_commit(db.to_u32());

@@ -73,6 +73,8 @@ def not_preloaded():
     "SELECT stage_e_try_slot('default', 8, '1 s')", "SELECT stage_e_try_slots('c', 8, 2)",
     "SELECT * FROM stage_e_slot_waiters", "SELECT * FROM stage_e_cap_load",
     "SELECT * FROM stage_e_histograms()", "SELECT * FROM stage_e_histogram_quantiles",
+    "SELECT stage_e_adapt('c', 1, 4)", "SELECT stage_e_adapt_off('c')",
+    "SELECT * FROM stage_e_cap_limits",
     "SELECT stage_e_cap_key('c')", "SELECT stage_e_lease('c', 8, '1 s')",
     "SELECT stage_e_renew('c', 0, 1, '1 s')", "SELECT stage_e_release_lease('c', 0, 1)",
     "SELECT stage_e_slot_token('c', 0)",
@@ -140,7 +142,8 @@ def test_hot_standby_refuses_slots_and_reports_what_is_true_there():
                          "SELECT stage_e_flush()", "SELECT stage_e_reset_stats()",
                          "SELECT stage_e_lease('c', 8, '1 s')",
                          "SELECT stage_e_renew('c', 0, 1, '1 s')",
-                         "SELECT stage_e_release_lease('c', 0, 1)"]:
+                         "SELECT stage_e_release_lease('c', 0, 1)",
+                         "SELECT stage_e_adapt('c', 1, 4)", "SELECT stage_e_adapt_off('c')"]:
                 with pytest.raises(errors.ReadOnlySqlTransaction) as err:
                     s.execute(call)
                 assert "standby" in err.value.diag.message_primary
@@ -161,6 +164,7 @@ def test_hot_standby_refuses_slots_and_reports_what_is_true_there():
             assert s.execute("SELECT * FROM stage_e_stats()").fetchall() == []
             assert s.execute("SELECT * FROM stage_e_slot_holders").fetchall() == []
             assert s.execute("SELECT * FROM stage_e_pending()").fetchall() == []
+            assert s.execute("SELECT * FROM stage_e_cap_limits").fetchall() == []
             # The flush launcher waits for promotion instead of writing or crash-looping.
             launcher = ("SELECT count(*) FROM pg_stat_activity "
                         "WHERE backend_type = 'stage_e_slots launcher'")

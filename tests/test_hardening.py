@@ -164,6 +164,9 @@ READ_AND_WRITE_CALLS = [
     "SELECT * FROM public.stage_e_cap_load",
     "SELECT * FROM public.stage_e_histograms()",
     "SELECT * FROM public.stage_e_histogram_quantiles",
+    "SELECT public.stage_e_adapt('k', 1, 2)",
+    "SELECT * FROM public.stage_e_cap_limits",
+    "SELECT public.stage_e_adapt_off('k')",
     "SELECT public.stage_e_try_slot('default', 1, '10 ms')",
     "SELECT public.stage_e_try_slots('k', 2, 2, '10 ms')",
     "SELECT public.stage_e_holding(0)",
@@ -334,6 +337,7 @@ READS = [
     "SELECT * FROM stage_e_cap_load",
     "SELECT * FROM stage_e_histograms()",
     "SELECT * FROM stage_e_histogram_quantiles",
+    "SELECT * FROM stage_e_cap_limits",
 ]
 
 

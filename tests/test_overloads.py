@@ -62,7 +62,8 @@ def test_every_call_resolves_with_untyped_parameters(connect):
             ("stage_e_slot_token", 2), ("stage_e_cap_key", 1), ("stage_e_stats", 0),
             ("stage_e_flush", 0), ("stage_e_pending", 0), ("stage_e_pending", 1),
             ("stage_e_reset_stats", 0), ("stage_e_reset_stats", 1),
-            ("stage_e_snapshot", 0)} <= names
+            ("stage_e_snapshot", 0), ("stage_e_adapt", 3), ("stage_e_adapt", 4),
+            ("stage_e_adapt_off", 1)} <= names
     assert len(every) == len(set((n, k, tuple(t)) for n, k, t, _ in every))
     assert unresolved(c) == []
 

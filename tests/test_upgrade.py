@@ -1,4 +1,4 @@
-"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0, 0.6.0 and 0.7.0, with
+"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0, 0.6.0, 0.7.0 and 0.8.0, with
 data and holders, against the current library; and the updated schema against a fresh install's."""
 
 import tomllib
@@ -497,5 +497,57 @@ def test_a_0_7_0_database_is_served_without_histograms_then_updated_keeps_its_ro
                 0, 1]
         c.create_database("fresh8")
         assert describe(c, "v070") == describe(c, "fresh8")
+    finally:
+        c.destroy()
+
+
+def test_a_0_8_0_database_is_served_without_adaptive_caps_then_updated_keeps_its_rows():
+    """The 0.9.0 library serves a 0.8.0 database as 0.8.0 did (no stage_e_adapt; its flushes
+    write the counters and histograms only). The update keeps the rows, the holder and the
+    lease; the old rows have no policy; then stage_e_adapt works on a cap with a row and on
+    one without, its policy is in the rows and applies (the caller's n is cut to the limit); a
+    flush writes the learned limit; the schema equals a fresh install's."""
+    c = Cluster("upgrade080", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
+    try:
+        c.create_database("v080", extension=False)
+        c.sql("CREATE EXTENSION stage_e_slots VERSION '0.8.0'", dbname="v080")
+        with c.connect("v080", "holder") as holder, c.connect("v080", "other") as other:
+            assert one(holder, "SELECT stage_e_try_slot('exports', 4)") == 0
+            lease = holder.execute("SELECT * FROM stage_e_lease('jobs', 1, '1 hour')"
+                                   ).fetchone()
+            holder.execute("SELECT stage_e_flush()")
+            with pytest.raises(errors.UndefinedFunction):
+                other.execute("SELECT stage_e_adapt('exports', 1, 2)")
+            other.rollback()
+
+            other.execute("ALTER EXTENSION stage_e_slots UPDATE")
+            assert one(other, "SELECT extversion FROM pg_extension "
+                              "WHERE extname = 'stage_e_slots'") == CURRENT
+            assert other.execute(
+                "SELECT cap, acquired, adapt_min, adapt_max, adapt_enforce, adapt_limit "
+                "FROM stage_e_throttle_counter ORDER BY cap").fetchall() == [
+                ("exports", 1, None, None, None, None), ("jobs", 1, None, None, None, None)]
+            assert one(holder, "SELECT stage_e_holding('exports', 0)") is True
+            assert other.execute("SELECT cap, slot, token FROM stage_e_slot_holders "
+                                 "ORDER BY cap").fetchall() == [
+                ("exports", 0, None), ("jobs", 0, lease[1])]
+
+            # A policy on a cap with a row, and one on a cap without: both rows keep it.
+            other.execute("SELECT stage_e_adapt('exports', 2, 2)")
+            other.execute("SELECT stage_e_adapt('fresh', 1, 3, false)")
+            assert other.execute(
+                "SELECT cap, acquired, adapt_min, adapt_max, adapt_enforce "
+                "FROM stage_e_throttle_counter ORDER BY cap").fetchall() == [
+                ("exports", 1, 2, 2, True), ("fresh", 0, 1, 3, False),
+                ("jobs", 1, None, None, None)]
+            assert other.execute('SELECT cap, "limit", min_slots, max_slots, enforce '
+                                 "FROM stage_e_cap_limits").fetchall() == [
+                ("exports", 2, 2, 2, True), ("fresh", 1, 1, 3, False)]
+            # The holder keeps slot 0; n = 4 is cut to the limit 2: one more slot, then none.
+            assert one(other, "SELECT stage_e_try_slot('exports', 4)") == 1
+            assert one(other, "SELECT stage_e_try_slot('exports', 4)") is None
+            holder.execute("SELECT stage_e_flush()")
+        c.create_database("fresh9")
+        assert describe(c, "v080") == describe(c, "fresh9")
     finally:
         c.destroy()

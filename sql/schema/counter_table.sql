@@ -1,7 +1,8 @@
 -- The durable counters: one row per cap of this database, inserted by the cap's first flush
 -- and added to once per flush interval (one statement per database, whatever the rate).
 -- The wait and hold counters (0.3.0) come after flush_id, where the update from 0.2.0 adds them,
--- and expired (0.4.0) after them, lock_key (0.7.0), then the histograms (0.8.0) last.
+-- and expired (0.4.0) after them, lock_key (0.7.0), the histograms (0.8.0), then an adaptive
+-- cap's policy and learned limit (0.9.0) last.
 -- Every statement of the extension names this table with its schema (see src/sql.rs).
 CREATE TABLE stage_e_throttle_counter (
     cap              text PRIMARY KEY
@@ -20,7 +21,14 @@ CREATE TABLE stage_e_throttle_counter (
     expired          bigint NOT NULL DEFAULT 0,
     lock_key         integer,
     hold_buckets     bigint[] NOT NULL DEFAULT '{0,0,0,0,0,0,0,0,0,0,0,0,0}',
-    wait_buckets     bigint[] NOT NULL DEFAULT '{0,0,0,0,0,0,0,0,0,0,0,0,0}'
+    wait_buckets     bigint[] NOT NULL DEFAULT '{0,0,0,0,0,0,0,0,0,0,0,0,0}',
+    adapt_min        integer,
+    adapt_max        integer,
+    adapt_enforce    boolean,
+    adapt_limit      integer,
+    adapt_baseline   interval,
+    CONSTRAINT stage_e_throttle_counter_adapt_bounds
+      CHECK (adapt_min OPERATOR(pg_catalog.>=) 1 AND adapt_max OPERATOR(pg_catalog.>=) adapt_min)
 );
 -- lock_key (0.7.0): the first int4 of the cap's advisory locks, written by the flush and read
 -- when the cap is next made, so that a name whose key collides with another's keeps the key it
@@ -35,6 +43,18 @@ COMMENT ON COLUMN stage_e_throttle_counter.hold_buckets IS
   'Holds per bucket (not cumulative): at most 1 ms, 4 ms, 16 ms, ... 4194.304 s (1 ms times powers of 4), then above; their sum is hold_time.';
 COMMENT ON COLUMN stage_e_throttle_counter.wait_buckets IS
   'Waits (served or timed out) per bucket, as hold_buckets; their sum is wait_time.';
+-- Adaptive caps (0.9.0): the policy stage_e_adapt wrote (NULL: not adaptive), and the limit
+-- and baseline hold time the background flusher last wrote, from which a restart resumes.
+COMMENT ON COLUMN stage_e_throttle_counter.adapt_min IS
+  'An adaptive cap''s min_slots (stage_e_adapt); NULL when the cap is not adaptive.';
+COMMENT ON COLUMN stage_e_throttle_counter.adapt_max IS
+  'An adaptive cap''s max_slots (stage_e_adapt); NULL when the cap is not adaptive.';
+COMMENT ON COLUMN stage_e_throttle_counter.adapt_enforce IS
+  'Whether the learned limit is applied (false: monitor mode).';
+COMMENT ON COLUMN stage_e_throttle_counter.adapt_limit IS
+  'The learned limit, as the background flusher last wrote it; a restart resumes from it.';
+COMMENT ON COLUMN stage_e_throttle_counter.adapt_baseline IS
+  'The baseline hold time the limit was learned against, as last written.';
 COMMENT ON TABLE stage_e_throttle_counter IS
   'Durable stage_e_slots counters of this database: one row per cap, written by its first flush and added to once per flush interval. Rows of caps no longer used may be deleted.';
 -- No row is inserted here: pg_dump keeps the table's data, and a restore (which runs

@@ -2,3 +2,7 @@
 REVOKE EXECUTE ON FUNCTION stage_e_flush() FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION stage_e_reset_stats() FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION stage_e_reset_stats(text) FROM PUBLIC;
+-- A cap's adaptive limit binds every role that uses it, and its policy is kept in the counter
+-- table: the same.
+REVOKE EXECUTE ON FUNCTION stage_e_adapt(text, integer, integer, boolean) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION stage_e_adapt_off(text) FROM PUBLIC;

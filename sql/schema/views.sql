@@ -89,3 +89,14 @@ SELECT q.cap, q.metric, q.count, q.p50, q.p90, q.p99
 COMMENT ON VIEW stage_e_histogram_quantiles IS
   'Per cap in use and metric (hold, wait): observations since the cap was made and their 50th, 90th and 99th percentiles, interpolated within the histogram''s buckets as histogram_quantile does.';
 GRANT SELECT ON stage_e_histogram_quantiles TO PUBLIC;
+
+-- Adaptive caps (stage_e_adapt): the limit each learned from its hold times, its bounds, and
+-- why it last moved.
+CREATE VIEW stage_e_cap_limits AS
+SELECT l.cap, l."limit", l.min_slots, l.max_slots, l.enforce, l.baseline_hold, l.recent_hold,
+       l.held, l.changed_at, l.reason
+  FROM @extschema@.stage_e_cap_limits_internal() AS l
+ ORDER BY l.cap;
+COMMENT ON VIEW stage_e_cap_limits IS
+  'One row per adaptive cap of the current database: the limit learned from hold times (applied as least(n, limit) unless enforce is false), its bounds, the baseline and recent hold times, the slots held, and why the limit last moved.';
+GRANT SELECT ON stage_e_cap_limits TO PUBLIC;

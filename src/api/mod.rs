@@ -1,6 +1,6 @@
 //! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and
-//! tokens), `lifecycle` (held-back caps), `stats` (counters, holders, waiters, load, flush and reset), `snapshot` (the jsonb
-//! document). Each function translates arguments, calls `slots` or `flush`, and maps errors
+//! tokens), `adapt` (adaptive caps), `lifecycle` (held-back caps), `stats` (counters, holders,
+//! waiters, load, flush and reset), `snapshot` (the jsonb document). Each function translates arguments, calls `slots` or `flush`, and maps errors
 //! (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are refused in
 //! parallel workers). Arguments are `Option` so a NULL reaches us and becomes a class-22 ERROR
 //! rather than a silent NULL from a STRICT function. The one-argument forms are the cap
@@ -33,6 +33,7 @@ macro_rules! counter_table_fn {
     };
 }
 
+mod adapt;
 mod leases;
 mod lifecycle;
 pub(crate) mod slots;
@@ -86,7 +87,8 @@ extension_sql_file!(
         stats::stage_e_slot_holders_internal_v3,
         stats::stage_e_slot_waiters_internal,
         stats::stage_e_cap_load_internal,
-        stats::stage_e_histogram_quantiles_internal
+        stats::stage_e_histogram_quantiles_internal,
+        adapt::stage_e_cap_limits_internal
     ],
 );
 
@@ -96,6 +98,8 @@ extension_sql_file!(
     requires = [
         stats::stage_e_flush_v4,
         stats::stage_e_reset_stats,
-        stats::stage_e_reset_stats_cap
+        stats::stage_e_reset_stats_cap,
+        adapt::stage_e_adapt,
+        adapt::stage_e_adapt_off
     ],
 );

@@ -243,6 +243,7 @@ impl Segment {
         e.set_block(block, arena::capacity(order));
         self.clear_block(e);
         e.clear_durable();
+        e.start_limit(db, name);
         e.start_leases();
         let hash = directory::index_hash(db, name);
         e.set_identity(Identity {

@@ -59,7 +59,8 @@ pub(super) struct Durable {
     /// Held back until then (0 = not held), and why (`HoldReason`).
     held_until: AtomicI64,
     held_reason: AtomicU32,
-    _pad: u32,
+    /// An adaptive cap's enforced limit; 0 = none (`adaptive`).
+    pub(super) limit: AtomicU32,
     /// Bumped by every lease change; the value the last committed journal write saw, and when.
     lease_changes: AtomicU64,
     journal_written: AtomicU64,

@@ -6,7 +6,8 @@
 //! reads them without a lock. The other fields have protocols of their own, each in the file of
 //! its concern: the counters and the flush seqlock (`counters`), the waiters and the front
 //! seats (`waitq`), the lease fields (`leases`), the load averages (`load`), the durable
-//! horizon, floor and hold (`durable`), the histograms (`histograms`).
+//! horizon, floor and hold (`durable`), the adaptive limit (`adaptive`, kept in the durable
+//! line, which every acquisition reads), the histograms (`histograms`).
 //!
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
@@ -20,7 +21,32 @@ use stage_e_core::state::State;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
 
 /// Bytes of a cap's name at most (`directory::MAX_NAME`, rounded up to words).
-const NAME_WORDS: usize = 8;
+pub(super) const NAME_WORDS: usize = 8;
+
+/// A name (at most `NAME_WORDS * 8` bytes) into words, as entries and policies keep it.
+pub(super) fn store_name(words: &[AtomicU64; NAME_WORDS], len: &AtomicU32, name: &str) {
+    let mut bytes = [0u8; NAME_WORDS * 8];
+    let n = name.len().min(bytes.len());
+    bytes[..n].copy_from_slice(&name.as_bytes()[..n]);
+    for (w, chunk) in words.iter().zip(bytes.chunks(8)) {
+        w.store(
+            u64::from_le_bytes(chunk.try_into().expect("8 bytes")),
+            Ordering::Relaxed,
+        );
+    }
+    len.store(n as u32, Ordering::Relaxed);
+}
+
+/// The name [`store_name`] stored.
+pub(super) fn load_name(words: &[AtomicU64; NAME_WORDS], len: &AtomicU32) -> String {
+    let len = len.load(Ordering::Relaxed) as usize;
+    let bytes: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
+        .take(len.min(NAME_WORDS * 8))
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
 
 #[repr(C)]
 pub(super) struct CapEntry {
@@ -120,14 +146,7 @@ impl CapEntry {
     }
 
     pub(super) fn name(&self) -> String {
-        let len = self.name_len.load(Ordering::Relaxed) as usize;
-        let bytes: Vec<u8> = self
-            .name
-            .iter()
-            .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
-            .take(len.min(NAME_WORDS * 8))
-            .collect();
-        String::from_utf8_lossy(&bytes).into_owned()
+        load_name(&self.name, &self.name_len)
     }
 
     pub(super) fn is(&self, db: u32, name: &str) -> bool {
@@ -139,15 +158,7 @@ impl CapEntry {
     /// Under the exclusive directory lock, LOCKED: makes this free entry the cap `id`; the
     /// database is stored last (Release), so a reader that sees it sees the rest.
     pub(super) fn set_identity(&self, id: Identity) {
-        let mut bytes = [0u8; NAME_WORDS * 8];
-        bytes[..id.name.len()].copy_from_slice(id.name.as_bytes());
-        for (w, chunk) in self.name.iter().zip(bytes.chunks(8)) {
-            w.store(
-                u64::from_le_bytes(chunk.try_into().expect("8 bytes")),
-                Ordering::Relaxed,
-            );
-        }
-        self.name_len.store(id.name.len() as u32, Ordering::Relaxed);
+        store_name(&self.name, &self.name_len, id.name);
         self.key.store(id.key, Ordering::Relaxed);
         self.hash.store(id.hash, Ordering::Relaxed);
         self.dboid.store(id.database, Ordering::Release);

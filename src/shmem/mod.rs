@@ -11,6 +11,7 @@
 //! - `waitq`: a cap's queue of waiters;
 //! - `leases`: slots held by a token, and fencing tokens;
 //! - `load`: load averages, sampled by the launcher;
+//! - `adaptive`: adaptive caps' policies and what they learned, the enforced limit;
 //! - `durable`: the committed lease horizon and token floor, holds, databases loaded;
 //! - `persist`: pending counts and leases across a clean restart;
 //! - `launcher`: waking the background launcher, flush ids.
@@ -18,6 +19,7 @@
 //! Outside this folder, shared memory is reached only through a pinned [`Cap`] and the
 //! functions re-exported here.
 
+mod adaptive;
 mod caps;
 mod counters;
 mod durable;
@@ -31,6 +33,11 @@ mod pin;
 mod segment;
 mod waitq;
 
+pub use adaptive::{
+    adapt_tick, apply_policy, cap_limits, clear_policies, databases_with_limits_to_write,
+    learned_limit, limits_to_write, limits_written, policy_count, policy_databases, policy_room,
+    restore_policy, PolicyChange, PolicyView, ToWrite,
+};
 pub use caps::{
     busy_caps, cap_refs, caps, create, databases, databases_with_pending, first_key, grow, key_now,
     lookup, reclaim_database, usage, CapError, Pool,

@@ -8,10 +8,12 @@
 //! it, which is a valid state for every field (atomics; database 0 = a free entry), then frees
 //! the arena.
 //!
-//! Two LWLocks of our tranche: the *directory* lock (shared to look a cap up on a cache miss,
-//! exclusive to create, grow or reclaim one: `caps`) and the *waits* lock (joining and leaving
-//! a cap's queue: `waitq`). The hot path takes neither.
+//! Three LWLocks of our tranche: the *directory* lock (shared to look a cap up on a cache miss,
+//! exclusive to create, grow or reclaim one: `caps`), the *waits* lock (joining and leaving
+//! a cap's queue: `waitq`) and the *adapt* lock (adaptive caps' policies: `adaptive`). The hot
+//! path takes none.
 
+use super::adaptive::{PolicyRecord, POLICY_SIZE};
 use super::entry::{CapEntry, SlotRecord};
 use super::leases::LeaseRecord;
 use super::pin::HazardSlot;
@@ -51,6 +53,7 @@ const SIZES: Sizes = Sizes {
     entry: size_of::<CapEntry>(),
     waiter: size_of::<WaiterRecord>(),
     lease: size_of::<LeaseRecord>(),
+    policy: POLICY_SIZE,
     hazard: size_of::<HazardSlot>(),
 };
 
@@ -65,6 +68,7 @@ fn counts_from_settings() -> (Counts, u32) {
         caps: gucs::max_caps(),
         waiters: backends,
         leases: gucs::max_leases(),
+        policies: gucs::max_adaptive_caps(),
         hazards: backends,
         index_len: directory::index_len(gucs::max_caps()) as u32,
         pages: arena::pages_for(gucs::slot_memory_bytes(), top_order),
@@ -84,6 +88,7 @@ pub(super) struct Segment {
     pub(super) entries: &'static [CapEntry],
     pub(super) waiters: &'static [WaiterRecord],
     pub(super) leases: &'static [LeaseRecord],
+    pub(super) policies: &'static [PolicyRecord],
     pub(super) hazards: &'static [HazardSlot],
     index: &'static [AtomicU32],
     meta: &'static [AtomicU32],
@@ -103,6 +108,8 @@ static VIEW: AtomicPtr<Segment> = AtomicPtr::new(std::ptr::null_mut());
 static DIRECTORY_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut());
 /// The waits LWLock (joining and leaving a cap's queue of waiters).
 static WAITS_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut());
+/// The adapt LWLock (adaptive caps' policy records).
+static ADAPT_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut());
 
 static mut PREV_SHMEM_REQUEST_HOOK: pg_sys::shmem_request_hook_type = None;
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
@@ -138,7 +145,7 @@ unsafe extern "C-unwind" fn shmem_request() {
             prev();
         }
         pg_sys::RequestAddinShmemSpace(requested_bytes());
-        pg_sys::RequestNamedLWLockTranche(LOCK_TRANCHE.as_ptr(), 2);
+        pg_sys::RequestNamedLWLockTranche(LOCK_TRANCHE.as_ptr(), 3);
     }
 }
 
@@ -171,6 +178,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
         let locks = pg_sys::GetNamedLWLockTranche(LOCK_TRANCHE.as_ptr());
         DIRECTORY_LOCK.store(&raw mut (*locks).lock, Ordering::Release);
         WAITS_LOCK.store(&raw mut (*locks.add(1)).lock, Ordering::Release);
+        ADAPT_LOCK.store(&raw mut (*locks.add(2)).lock, Ordering::Release);
         (base, found)
     };
     // SAFETY: `base` is the segment just sized for its header's counts.
@@ -215,6 +223,7 @@ impl Segment {
                 entries: std::slice::from_raw_parts(part(l.entries).cast(), c.caps as usize),
                 waiters: std::slice::from_raw_parts(part(l.waiters).cast(), c.waiters as usize),
                 leases: std::slice::from_raw_parts(part(l.leases).cast(), c.leases as usize),
+                policies: std::slice::from_raw_parts(part(l.policies).cast(), c.policies as usize),
                 hazards: std::slice::from_raw_parts(part(l.hazards).cast(), c.hazards as usize),
                 index: std::slice::from_raw_parts(part(l.index).cast(), c.index_len as usize),
                 meta: std::slice::from_raw_parts(part(l.meta).cast(), l.meta_words),
@@ -278,6 +287,11 @@ pub(super) fn directory_locked<R>(mode: pg_sys::LWLockMode::Type, f: impl FnOnce
 /// Runs `f` holding the waits lock in `mode`.
 pub(super) fn waits_locked<R>(mode: pg_sys::LWLockMode::Type, f: impl FnOnce() -> R) -> R {
     locked_by(&WAITS_LOCK, mode, f)
+}
+
+/// Runs `f` holding the adapt lock in `mode`.
+pub(super) fn adapt_locked<R>(mode: pg_sys::LWLockMode::Type, f: impl FnOnce() -> R) -> R {
+    locked_by(&ADAPT_LOCK, mode, f)
 }
 
 fn locked_by<R>(

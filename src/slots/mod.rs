@@ -7,12 +7,15 @@
 //! Invariants:
 //! - A slot is returned only after `LockAcquire` granted this session a *new* lock on it, so
 //!   the lock manager alone bounds holders of a cap's `[0, n)` by n, whatever shared memory says.
+//!   An adaptive cap (`adapt`) searches `[0, least(n, limit))` only, and gives back a claim that
+//!   would make more than `limit` bits set (slots taken above a limit that fell count too).
 //! - A slot's occupancy bit is set while a backend holds it through the extension (or is
 //!   probing it), and cleared only by that backend: on release, at transaction end if the lock
 //!   vanished, at exit. So a set bit never outlives its lock past the holder's transaction.
 //! - Shared memory is touched only with the cap pinned (`shmem::Cap`), so a cap is never
 //!   reclaimed or moved under a backend that is using it.
 
+pub mod adapt;
 pub mod durable;
 pub mod held;
 pub mod views;
@@ -49,6 +52,12 @@ pub enum SlotError {
     NegativeWait,
     /// A lease's ttl must be positive.
     BadTtl,
+    /// An adaptive cap's bounds (`stage_e_adapt`).
+    BadBounds(stage_e_core::adapt::BoundsError),
+    /// Every adaptive policy record is in use (`stage_e_slots.max_adaptive_caps`).
+    NoPolicyRecord {
+        max: u32,
+    },
     /// A lease's ttl must be at most `stage_e_slots.max_lease_ttl` (`max_us`).
     TtlTooLong {
         ttl_us: i64,
@@ -406,6 +415,14 @@ fn acquire(
     }
     let cap = for_acquire(name, n)?;
     cap.note_n(n);
+    // An adaptive cap (`shmem::adaptive`): slots of [0, least(n, limit)) only, and `search`
+    // stops at the limit held. More slots than the limit cannot be had until it grows.
+    let limit = cap.limit();
+    let n = if limit != 0 { n.min(limit) } else { n };
+    if k > n {
+        cap.counters().bump(Counter::Throttled, 1);
+        return Ok(None);
+    }
     let mut wait = wait;
     let now = session::statement_start();
     if cap.held_until(now).is_some() {
@@ -538,8 +555,15 @@ fn take_many(cap: &Cap, n: u32, k: u32, from: u32, at: i64) -> Result<Option<Tak
 fn search(cap: &Cap, from: u32, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotError> {
     let key = cap.key();
     let (records, bits) = cap.block();
+    let limit = cap.limit();
     let mut from = from;
     while let Some(claim) = occupancy::claim_first_free(bits, from, n) {
+        // An adaptive cap holding its limit already (its slots above the limit, taken before
+        // the limit fell, count too): none. Checked after the claim, so that two callers
+        // claiming at once cannot both pass (`occupancy::more_than`).
+        if limit != 0 && occupancy::more_than(bits, limit) {
+            return Ok(None); // dropping `claim` clears the bit
+        }
         let slot = claim.slot();
         match locks::try_lock(key, slot) {
             Probe::Acquired => {
@@ -666,6 +690,7 @@ pub fn expire_leases_everywhere() -> usize {
 /// with their sessions: they are the lock manager's locks, which a re-created extension sees
 /// as taken until their sessions release them or end.
 pub fn end_database() {
+    adapt::end_database(session::database());
     let mut leases = 0;
     for cap in shmem::caps(Some(session::database())) {
         leases += cap.expire_leases(i64::MAX).len();

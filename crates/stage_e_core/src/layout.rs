@@ -8,6 +8,7 @@
 //! entry × caps                a cap's fixed part (`shmem::entry`)
 //! waiter × waiters            who waits for which cap, one per backend (`shmem::waitq`)
 //! lease × leases              slots held by a token (`shmem::leases`)
+//! policy × policies           adaptive caps' bounds and what they learned (`shmem::adaptive`)
 //! (to a cache line)
 //! hazard × hazards            one pin slot per backend, each on its own cache line (`shmem::pin`)
 //! u32 × index_len             the (database, name) → entry index (`directory`)
@@ -29,6 +30,7 @@ pub struct Counts {
     pub caps: u32,
     pub waiters: u32,
     pub leases: u32,
+    pub policies: u32,
     pub hazards: u32,
     pub index_len: u32,
     pub pages: u32,
@@ -41,6 +43,7 @@ pub struct Sizes {
     pub entry: usize,
     pub waiter: usize,
     pub lease: usize,
+    pub policy: usize,
     pub hazard: usize,
 }
 
@@ -50,6 +53,7 @@ pub struct Layout {
     pub entries: usize,
     pub waiters: usize,
     pub leases: usize,
+    pub policies: usize,
     pub hazards: usize,
     pub index: usize,
     pub meta: usize,
@@ -64,7 +68,8 @@ impl Layout {
         let entries = s.header;
         let waiters = entries + c.caps as usize * s.entry;
         let leases = waiters + c.waiters as usize * s.waiter;
-        let hazards = (leases + c.leases as usize * s.lease).next_multiple_of(CACHE_LINE);
+        let policies = leases + c.leases as usize * s.lease;
+        let hazards = (policies + c.policies as usize * s.policy).next_multiple_of(CACHE_LINE);
         let index = hazards + c.hazards as usize * s.hazard;
         let meta = index + c.index_len as usize * 4;
         let meta_words = arena::meta_words(c.pages);
@@ -75,6 +80,7 @@ impl Layout {
             entries,
             waiters,
             leases,
+            policies,
             hazards,
             index,
             meta,
@@ -104,18 +110,22 @@ mod unit {
         entry: 704,
         waiter: 48,
         lease: 48,
+        policy: 256,
         hazard: 64,
     };
 
     #[test]
     fn parts_follow_each_other_aligned_and_without_overlap() {
-        for (caps, waiters, leases, pages) in
-            [(4096, 100, 4096, 8192), (1, 1, 0, 128), (7, 3, 5, 1)]
-        {
+        for (caps, waiters, leases, policies, pages) in [
+            (4096, 100, 4096, 64, 8192),
+            (1, 1, 0, 0, 128),
+            (7, 3, 5, 1, 1),
+        ] {
             let c = Counts {
                 caps,
                 waiters,
                 leases,
+                policies,
                 hazards: waiters,
                 index_len: 2 * caps.next_power_of_two(),
                 pages,
@@ -124,12 +134,13 @@ mod unit {
             assert_eq!(l.entries, SIZES.header);
             assert_eq!(l.waiters - l.entries, caps as usize * SIZES.entry);
             assert_eq!(l.leases - l.waiters, waiters as usize * SIZES.waiter);
-            assert!(l.hazards >= l.leases + leases as usize * SIZES.lease);
+            assert_eq!(l.policies, l.leases + leases as usize * SIZES.lease);
+            assert!(l.hazards >= l.policies + policies as usize * SIZES.policy);
             assert!(
                 l.hazards.is_multiple_of(CACHE_LINE),
                 "hazard slots start on a line"
             );
-            assert!(l.hazards - (l.leases + leases as usize * SIZES.lease) < CACHE_LINE);
+            assert!(l.hazards - (l.policies + policies as usize * SIZES.policy) < CACHE_LINE);
             assert_eq!(l.index - l.hazards, c.hazards as usize * SIZES.hazard);
             assert_eq!(l.meta, l.index + c.index_len as usize * 4);
             assert!(l.arena >= l.meta + l.meta_words * 4 && l.arena.is_multiple_of(8));

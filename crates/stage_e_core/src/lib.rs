@@ -5,6 +5,7 @@
 //! protocols with threads. The extension places these types in its shared memory and supplies
 //! what only the server has (latches, sleeps, the clock); this crate decides what is safe.
 //!
+//! - `adapt`: adaptive caps' limit, learned from hold times;
 //! - `occupancy`: the slot bitmap of one cap and the covered-front rule of its queue;
 //! - `arena`: the buddy allocator of slot blocks;
 //! - `directory`: cap names, lock keys and the (database, name) index;
@@ -25,6 +26,7 @@
 
 #[macro_use]
 pub mod counters;
+pub mod adapt;
 pub mod arena;
 pub mod directory;
 pub mod front;

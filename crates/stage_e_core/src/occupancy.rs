@@ -171,6 +171,23 @@ pub fn covered_front(front: &[(u32, u32)], free_below: impl Fn(u32) -> u32) -> u
     front.len()
 }
 
+/// Whether more than `limit` bits of the whole bitmap are set (an adaptive cap's limit on
+/// what it holds), read after a full fence. A claim is a read-modify-write of its word; a
+/// caller that claims, then asks this, and gives its claim back when told yes, never keeps
+/// more than `limit` between all such callers: of two claims made at once, the later one's
+/// fence orders the earlier one's bit before its loads, so at least one of them counts both.
+pub fn more_than(words: &[AtomicU64], limit: u32) -> bool {
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let mut set = 0u32;
+    for w in words {
+        set += w.load(Ordering::Relaxed).count_ones();
+        if set > limit {
+            return true;
+        }
+    }
+    false
+}
+
 #[cfg(test)]
 pub fn is_set(words: &[AtomicU64], slot: u32) -> bool {
     let (w, bit) = ((slot / WORD_BITS) as usize, slot % WORD_BITS);
@@ -402,5 +419,48 @@ mod unit {
         let total: u32 = handles.into_iter().map(|h| h.join().unwrap()).sum();
         assert!(total > 0);
         assert_eq!(count(&b, 64), 0);
+    }
+
+    #[test]
+    fn claims_checked_against_a_limit_never_keep_more_than_it() {
+        use std::sync::atomic::AtomicU32;
+        use std::sync::Arc;
+        const LIMIT: u32 = 3;
+        let words: Arc<[AtomicU64; 2]> = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+        let inside = Arc::new(AtomicU32::new(0));
+        let worst = Arc::new(AtomicU32::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let (words, inside, worst) = (words.clone(), inside.clone(), worst.clone());
+                std::thread::spawn(move || {
+                    let mut kept = 0u32;
+                    for i in 0..20_000u32 {
+                        // Claims spread over both words, so the fence (not one word's order)
+                        // is what is tested.
+                        let from = if (i + t) % 2 == 0 { 0 } else { 64 };
+                        let Some(claim) = super::claim_first_free(&words[..], from, 128) else {
+                            continue;
+                        };
+                        if super::more_than(&words[..], LIMIT) {
+                            continue; // dropping the claim clears its bit
+                        }
+                        let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                        worst.fetch_max(now, Ordering::SeqCst);
+                        kept += 1;
+                        std::hint::spin_loop();
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        drop(claim);
+                    }
+                    kept
+                })
+            })
+            .collect();
+        let kept: u32 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+        assert!(kept > 0, "some claims were kept");
+        assert!(
+            worst.load(Ordering::SeqCst) <= LIMIT,
+            "{}",
+            worst.load(Ordering::SeqCst)
+        );
     }
 }

@@ -23,13 +23,16 @@ pub enum SchemaVersion {
     /// Metrics: hold and wait histograms (`stage_e_histograms`, kept in the counter rows'
     /// `hold_buckets` and `wait_buckets`), the cap's current n in `stage_e_stats`.
     V0_8_0,
+    /// Adaptive caps: `stage_e_adapt`, `stage_e_adapt_off`, `stage_e_cap_limits`; the policy and
+    /// the learned limit in the counter rows (`adapt_*`).
+    V0_9_0,
 }
 
 impl SchemaVersion {
     /// The version of this library's own install script.
-    pub const CURRENT: SchemaVersion = SchemaVersion::V0_8_0;
+    pub const CURRENT: SchemaVersion = SchemaVersion::V0_9_0;
 
-    pub const ALL: [SchemaVersion; 8] = [
+    pub const ALL: [SchemaVersion; 9] = [
         SchemaVersion::V0_1_0,
         SchemaVersion::V0_2_0,
         SchemaVersion::V0_3_0,
@@ -38,6 +41,7 @@ impl SchemaVersion {
         SchemaVersion::V0_6_0,
         SchemaVersion::V0_7_0,
         SchemaVersion::V0_8_0,
+        SchemaVersion::V0_9_0,
     ];
 
     /// `pg_extension.extversion` as a version; None for one this library does not know.
@@ -55,6 +59,7 @@ impl SchemaVersion {
             SchemaVersion::V0_6_0 => "0.6.0",
             SchemaVersion::V0_7_0 => "0.7.0",
             SchemaVersion::V0_8_0 => "0.8.0",
+            SchemaVersion::V0_9_0 => "0.9.0",
         }
     }
 
@@ -86,6 +91,12 @@ impl SchemaVersion {
         self >= SchemaVersion::V0_8_0
     }
 
+    /// Adaptive caps: `stage_e_adapt`, the policy and learned limit in the counter rows
+    /// (`adapt_*`), `stage_e_cap_limits`.
+    pub fn has_adaptive(self) -> bool {
+        self >= SchemaVersion::V0_9_0
+    }
+
     /// How many counters (of `counters::CounterValues::NAMES`, in order) its table and
     /// functions have.
     pub fn counter_columns(self) -> usize {
@@ -96,7 +107,8 @@ impl SchemaVersion {
             | SchemaVersion::V0_5_0
             | SchemaVersion::V0_6_0
             | SchemaVersion::V0_7_0
-            | SchemaVersion::V0_8_0 => crate::counters::COUNT,
+            | SchemaVersion::V0_8_0
+            | SchemaVersion::V0_9_0 => crate::counters::COUNT,
         }
     }
 }
@@ -128,16 +140,18 @@ mod unit {
                 crate::counters::COUNT,
                 crate::counters::COUNT,
                 crate::counters::COUNT,
+                crate::counters::COUNT,
                 crate::counters::COUNT
             ]
         );
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.has_named_caps()),
-            [false, true, true, true, true, true, true, true]
+            [false, true, true, true, true, true, true, true, true]
         );
         assert!(!V0_3_0.has_leases() && V0_4_0.has_leases());
         assert!(!V0_5_0.has_lease_horizon() && V0_6_0.has_lease_horizon());
         assert!(!V0_6_0.has_key_records() && V0_7_0.has_key_records());
         assert!(!V0_7_0.has_histograms() && V0_8_0.has_histograms());
+        assert!(!V0_8_0.has_adaptive() && V0_9_0.has_adaptive());
     }
 }

@@ -1,0 +1,66 @@
+//! Adaptive caps: `stage_e_adapt`, `stage_e_adapt_off`, and the function behind the view
+//! `stage_e_cap_limits` (`sql/schema/views.sql`). Both changes are restricted (EXECUTE revoked
+//! from PUBLIC, `sql/schema/privileges.sql`): a cap's limit binds every role that uses it.
+
+use crate::errors::raise;
+use crate::names::{CapArg, Text};
+use crate::slots;
+use crate::sql;
+use pgrx::datetime::TimestampWithTimeZone;
+use pgrx::prelude::*;
+
+/// Makes cap `cap` adaptive: it hands out slots only while fewer than least(n, limit) are
+/// held, the limit learned from its hold times between min_slots and max_slots (with
+/// `enforce => false`, learned and shown only). From the commit of the calling transaction.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_adapt(
+    cap: Option<CapArg<'_>>,
+    min_slots: Option<i32>,
+    max_slots: Option<i32>,
+    enforce: default!(Option<bool>, "true"),
+) {
+    slots::adapt::adapt(cap.as_deref(), min_slots, max_slots, enforce).unwrap_or_else(|e| raise(e))
+}
+
+/// Returns cap `cap` to the caller's n alone, from the commit of the calling transaction.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_adapt_off(cap: Option<CapArg<'_>>) {
+    slots::adapt::adapt_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
+}
+
+/// One row per adaptive cap of the current database: its limit, bounds, what it learned, and
+/// why the limit last moved.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)]
+fn stage_e_cap_limits_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, Text),
+        name!(limit, i32),
+        name!(min_slots, i32),
+        name!(max_slots, i32),
+        name!(enforce, bool),
+        name!(baseline_hold, Option<Interval>),
+        name!(recent_hold, Option<Interval>),
+        name!(held, i32),
+        name!(changed_at, Option<TimestampWithTimeZone>),
+        name!(reason, Text),
+    ),
+> {
+    let rows = slots::adapt::cap_limits().unwrap_or_else(|e| raise(e));
+    let us = |x: Option<f64>| x.map(|us| sql::interval_us(us.round() as u64));
+    TableIterator::new(rows.into_iter().map(move |r| {
+        (
+            Text(r.cap),
+            r.limit as i32,
+            r.bounds.min as i32,
+            r.bounds.max as i32,
+            r.enforce,
+            us(r.baseline_us),
+            us(r.recent_us),
+            r.held as i32,
+            TimestampWithTimeZone::try_from(r.changed_at).ok(),
+            Text(r.reason),
+        )
+    }))
+}

@@ -1,0 +1,214 @@
+//! Adaptive caps: `stage_e_adapt` and `stage_e_adapt_off`, what `stage_e_cap_limits` reads,
+//! and the launcher's tick. The controller is `stage_e_core::adapt`; the records and the
+//! enforced limit are `shmem::adaptive`; the acquisition paths apply the limit (`acquire`,
+//! `search`).
+//!
+//! A policy change is transactional: the function writes the cap's row in the caller's
+//! transaction, and the change reaches shared memory when that transaction commits (`hooks`);
+//! a rollback, or a rolled-back savepoint, drops both. The learned limit is written back to the
+//! row by the flusher, so that a restart resumes from it (`durable::load` restores it).
+
+use super::{check_name, ready, SlotError};
+use crate::gucs;
+use crate::session;
+use crate::shmem::{self, PolicyChange, PolicyView};
+use crate::sql;
+use pgrx::datum::DatumWithOid;
+use stage_e_core::adapt::Bounds;
+
+/// `stage_e_adapt(cap, min_slots, max_slots, enforce)`.
+pub fn adapt(
+    cap: Option<&str>,
+    min: Option<i32>,
+    max: Option<i32>,
+    enforce: Option<bool>,
+) -> Result<(), SlotError> {
+    ready()?;
+    super::durable::ensure_loaded()?;
+    let name = check_name(cap)?;
+    let min = min.ok_or(SlotError::NullArgument { name: "min_slots" })?;
+    let max = max.ok_or(SlotError::NullArgument { name: "max_slots" })?;
+    let enforce = enforce.ok_or(SlotError::NullArgument { name: "enforce" })?;
+    let bounds = Bounds::new(min, max, gucs::max_slots()).map_err(SlotError::BadBounds)?;
+    shmem::policy_room(session::database(), name)
+        .map_err(|e| SlotError::NoPolicyRecord { max: e.max })?;
+    let Some(ext) = sql::extension() else {
+        return Err(SlotError::NotLoaded);
+    };
+    // The row keeps what the cap has learned (as the commit will clamp it), not a stale copy.
+    let learned = shmem::learned_limit(session::database(), name, bounds).map(|l| l as i32);
+    sql::write(
+        &sql::adapt_write_query(&ext),
+        &[
+            DatumWithOid::from(name),
+            DatumWithOid::from(bounds.min as i32),
+            DatumWithOid::from(bounds.max as i32),
+            DatumWithOid::from(enforce),
+            DatumWithOid::from(learned),
+        ],
+    )
+    .unwrap_or_else(|e| crate::errors::fail(format!("stage_e_adapt: {e}")));
+    crate::hooks::ensure();
+    let log = format!(
+        "stage_e_slots: role \"{}\" made cap \"{name}\" of database \"{}\" adaptive between {} \
+         and {} slots ({})",
+        sql::current_role(),
+        sql::current_database(),
+        bounds.min,
+        bounds.max,
+        if enforce { "enforced" } else { "monitor mode" },
+    );
+    session::policy_changed(name, PolicyChange::Set { bounds, enforce }, log);
+    Ok(())
+}
+
+/// `stage_e_adapt_off(cap)`: the caller's n alone again, from the commit.
+pub fn adapt_off(cap: Option<&str>) -> Result<(), SlotError> {
+    ready()?;
+    super::durable::ensure_loaded()?;
+    let name = check_name(cap)?;
+    let Some(ext) = sql::extension() else {
+        return Err(SlotError::NotLoaded);
+    };
+    sql::write(&sql::adapt_off_query(&ext), &[DatumWithOid::from(name)])
+        .unwrap_or_else(|e| crate::errors::fail(format!("stage_e_adapt_off: {e}")));
+    crate::hooks::ensure();
+    let log = format!(
+        "stage_e_slots: role \"{}\" returned cap \"{name}\" of database \"{}\" to the callers' n \
+         alone (stage_e_adapt_off)",
+        sql::current_role(),
+        sql::current_database(),
+    );
+    session::policy_changed(name, PolicyChange::Off, log);
+    Ok(())
+}
+
+/// The commit of a transaction that changed policies (`hooks`): each reaches shared memory, in
+/// order, and is logged (the line was made at the call, where catalogs can be read). No ERROR may be raised here: a policy that no longer finds a record (another
+/// database took the last one since the call looked) is said in a WARNING, and its cap keeps
+/// the caller's n alone.
+pub fn apply_committed(changes: Vec<session::PendingPolicy>) {
+    let db = session::database();
+    let now = session::now();
+    for c in changes {
+        match shmem::apply_policy(db, &c.cap, c.change, now) {
+            Ok(()) => crate::errors::log(c.log),
+            Err(e) => {
+                pgrx::warning!(
+                    "stage_e_slots: cap \"{}\" is not adaptive: all {} adaptive policy records \
+                 (stage_e_slots.max_adaptive_caps) were taken before this transaction committed",
+                    c.cap,
+                    e.max
+                )
+            }
+        }
+    }
+}
+
+/// The rows of `stage_e_cap_limits` for this database. Reading needs the shared state only (a
+/// standby shows what its own server learned: nothing, since it hands out no slot).
+pub fn cap_limits() -> Result<Vec<PolicyView>, SlotError> {
+    super::attached()?;
+    if !session::in_recovery() {
+        super::durable::ensure_loaded()?;
+    }
+    Ok(shmem::cap_limits(session::database()))
+}
+
+/// The launcher, every window while any cap is adaptive: learn, and log the moves (at most
+/// one line per cap every 10 s; the ones left out are counted in the next).
+pub fn tick() {
+    let moved = shmem::adapt_tick(session::now());
+    if moved.is_empty() {
+        return;
+    }
+    pgrx::bgworkers::BackgroundWorker::transaction(|| {
+        for m in moved {
+            let db = sql::database_name(m.db).unwrap_or_else(|| m.db.to_string());
+            let also = match m.unlogged {
+                0 => String::new(),
+                1 => "; 1 change since the last line".into(),
+                k => format!("; {k} changes since the last line"),
+            };
+            crate::errors::log(format!(
+                "stage_e_slots: limit of cap \"{}\" of database \"{db}\": {}{also}",
+                m.cap,
+                m.step.describe()
+            ));
+        }
+    });
+}
+
+/// The flusher of this database: writes the learned limits that changed into their rows (in
+/// its transaction); what it wrote, to mark once that commits.
+pub fn write_limits(ext: &sql::Extension) -> Result<Vec<shmem::ToWrite>, pgrx::spi::Error> {
+    if !ext.version.has_adaptive() {
+        return Ok(Vec::new());
+    }
+    let limits = shmem::limits_to_write(session::database());
+    if limits.is_empty() {
+        return Ok(limits);
+    }
+    let caps: Vec<&str> = limits.iter().map(|l| l.cap.as_str()).collect();
+    let values: Vec<i32> = limits.iter().map(|l| l.limit as i32).collect();
+    let baselines: Vec<Option<f64>> = limits.iter().map(|l| l.baseline_us).collect();
+    sql::write(
+        &sql::adapt_limits_query(ext),
+        &[
+            DatumWithOid::from(caps),
+            DatumWithOid::from(values),
+            DatumWithOid::from(baselines),
+        ],
+    )?;
+    Ok(limits)
+}
+
+/// A load of this database (`durable::load`): the policies its rows keep, with their learned
+/// limits.
+pub fn restore(ext: &sql::Extension) -> Result<(), String> {
+    if !ext.version.has_adaptive() {
+        return Ok(());
+    }
+    let rows = sql::read(|c| {
+        let mut rows = Vec::new();
+        for r in c.select(&sql::adapt_rows_query(ext), None, &[])? {
+            rows.push((
+                r.get::<crate::names::Text>(1)?.unwrap_or_default().0,
+                r.get::<i32>(2)?.unwrap_or(1),
+                r.get::<i32>(3)?.unwrap_or(1),
+                r.get::<bool>(4)?.unwrap_or(true),
+                r.get::<i32>(5)?,
+                r.get::<f64>(6)?,
+            ));
+        }
+        Ok(rows)
+    })
+    .map_err(|e| format!("reading the adaptive policies: {e}"))?;
+    let (db, now) = (session::database(), session::now());
+    for (cap, min, max, enforce, limit, baseline) in rows {
+        // Rows a superuser edited past the bounds of this server: the nearest valid ones.
+        let max_slots = gucs::max_slots();
+        let max = max.clamp(1, max_slots as i32);
+        let bounds =
+            Bounds::new(min.clamp(1, max), max, max_slots).map_err(|e| format!("{e:?}"))?;
+        let limit = limit.map(|l| l.max(0) as u32);
+        if let Err(e) = shmem::restore_policy(db, &cap, bounds, enforce, limit, baseline, now) {
+            crate::errors::log(format!(
+                "stage_e_slots: cap \"{cap}\" is not adaptive after the restart: all {} adaptive \
+                 policy records (stage_e_slots.max_adaptive_caps) are in use",
+                e.max
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The extension was dropped from this database, or the database itself: its policies end.
+pub fn end_database(db: u32) {
+    shmem::clear_policies(db);
+}
+
+/// Whether the launcher has adaptive caps to tick.
+pub fn any() -> bool {
+    shmem::policy_count() > 0
+}
