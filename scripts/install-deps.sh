@@ -2,7 +2,7 @@
 # Installs what building, testing and demonstrating stage_e_slots needs, skipping what is there:
 # Debian packages (PostgreSQL 15 and its headers, clang for bindgen, sudo for pgrx's --runas,
 # pgbouncer for the pooler tests, gdb to pause a worker in one lease test), cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major
-# in use, and a Python venv with psycopg, pytest, matplotlib, Django and django-q2. Where the
+# in use, and a Python venv with psycopg, pytest, pytest-timeout, matplotlib, Django and django-q2. Where the
 # driver matrix runs (tests/test_drivers.py: PostgreSQL 15, or STAGE_E_DRIVER_TESTS=1), also the
 # drivers: Debian's ruby-pg, Go with pgx v4 (Debian's packaged Go modules: the Go module proxy
 # is not used), a JDK and the PostgreSQL JDBC driver, npm when there is none, node-postgres
@@ -154,8 +154,8 @@ if ! grep -qs "pg$MAJOR = \"$PG_CONFIG\"" "$config"; then
   cargo pgrx init "${args[@]}" >/dev/null
 fi
 
-if [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -c 'import psycopg, pytest, matplotlib, django, django_q, asyncpg, psycopg2' 2>/dev/null; then
-  echo "==> python venv (.venv) with psycopg, pytest, matplotlib, Django, django-q2, asyncpg and psycopg2"
+if [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -c 'import psycopg, pytest, pytest_timeout, matplotlib, django, django_q, asyncpg, psycopg2' 2>/dev/null; then
+  echo "==> python venv (.venv) with psycopg, pytest, pytest-timeout, matplotlib, Django, django-q2, asyncpg and psycopg2"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
 fi

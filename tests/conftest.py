@@ -27,6 +27,29 @@ if _DRIVERS != "1":
 if os.environ.get("STAGE_E_PATRONI_TESTS", "1" if _MAJOR == "15" else "0") != "1":
     collect_ignore.append("test_patroni.py")
 
+# Every test has a time limit (pytest-timeout, from scripts/requirements.txt), so that a hang
+# fails that test instead of eating CI's 90 minutes: TEST_TIMEOUT seconds, unless the test has
+# a `timeout` mark of its own (test_patroni.py's, whose own waits add up to about that) or the
+# run chooses one (--timeout, the `timeout` ini setting or PYTEST_TIMEOUT). The limit covers the
+# test's setup and teardown too (a module's cluster starts in its first test's setup). It fires
+# as SIGALRM, which raises in the test's main thread, so fixtures still stop their clusters.
+TEST_TIMEOUT = 600
+
+
+def pytest_configure(config):
+    if not config.pluginmanager.hasplugin("timeout"):
+        raise pytest.UsageError("pytest-timeout is missing: run scripts/install-deps.sh "
+                                "(or .venv/bin/pip install -r scripts/requirements.txt)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if (config.getoption("timeout") is not None or config.getini("timeout")
+            or os.environ.get("PYTEST_TIMEOUT")):
+        return  # the run chose its own limit
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
+
 
 @pytest.fixture(scope="session")
 def cluster():

@@ -136,6 +136,7 @@ def test_every_function_taking_a_cap_works_with_a_non_ascii_name(ec, opened, enc
     # Released, each way.
     assert release_lease(s, NAME, slot, token) is True
     t.join(10)
+    assert not t.is_alive(), "the waiter did not return"
     assert got == {"slot": 2}
     assert one(s, "SELECT stage_e_release(%s, 1)", (NAME,)) is True
     assert one(s, "SELECT stage_e_release_all(%s)", (NAME,)) == 1

@@ -56,7 +56,8 @@ def test_tries_on_a_wider_n_get_the_slots_a_waiter_on_n1_cannot_use(connect):
     finally:
         stop.set()
         for t in threads:
-            t.join()
+            t.join(timeout=30)
+    assert not [t for t in threads if t.is_alive()], "a hammer did not stop"
     assert cap_locks(observer, "mix") == [(0, w.pid), (1, tries.info.backend_pid)]
     assert waiters(observer) == []
 

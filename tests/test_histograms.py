@@ -76,7 +76,8 @@ def test_every_hold_and_wait_lands_in_its_bucket_and_sums_are_the_counters(hc, h
         t0 = time.monotonic()
         assert one(b, "SELECT stage_e_try_slot('h', 2, '10 s')") == held[0]
         served = time.monotonic() - t0
-        releaser.join()
+        releaser.join(timeout=10)
+        assert not releaser.is_alive()
         # A lease of 1.2 s left to expire, freed by a later call for its slot at about 1.6 s.
         one(b, "SELECT stage_e_release_all()")
         one(a, "SELECT stage_e_release_all()")

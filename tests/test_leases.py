@@ -123,7 +123,8 @@ class Call:
 
     def wait(self, timeout=30):
         assert self.done.wait(timeout), "the call did not return"
-        self.thread.join()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "the call's thread did not end"
         return self
 
 
@@ -135,6 +136,13 @@ def queued(observer, pid, cap):
 
 def expiry_lines(text, cap):
     return [m.groupdict() for m in EXPIRY.finditer(text) if m["cap"] == cap]
+
+
+def freed_by(text, cap, *tokens):
+    """{token: pid of who freed it} from the expiry LOG lines in `text`, once every one of
+    `tokens` has its line (None before)."""
+    by = {int(m["token"]): int(m["by"]) for m in expiry_lines(text, cap)}
+    return by if all(t in by for t in tokens) else None
 
 
 def hammer_until_free(conn, cap, n, timeout=30):
@@ -886,43 +894,53 @@ def test_stress_twelve_sessions_lease_and_release_never_overlap(connect):
     sessions = [connect(f"stress-{i}") for i in range(threads)]
     observer = connect("observer")
     lock = threading.Lock()
-    holding, overlaps, ledger = {}, [], []
+    holding, overlaps, ledger, out_of_range, most, failures = {}, [], [], [], [0], []
     results = [None] * threads
 
     def work(i):
         c = sessions[i]
         nulls = released = 0
-        for _ in range(cycles):
-            called = time.monotonic()
-            slot, token = lease(c, "stress", 3, "10 s", "5 s")
-            got = time.monotonic()
-            if slot is None:
-                nulls += 1
-                continue
-            with lock:
-                if slot in holding:
-                    overlaps.append((slot, holding[slot], token))
-                holding[slot] = token
-            time.sleep(0.001)  # the guarded work
-            with lock:
-                del holding[slot]
-            releasing = time.monotonic()
-            ok = release_lease(c, "stress", slot, token)
-            released += ok is True
-            with lock:
-                ledger.append({"slot": slot, "token": token, "called": called, "got": got,
-                               "releasing": releasing})
-        results[i] = (nulls, released)
+        try:
+            for _ in range(cycles):
+                called = time.monotonic()
+                slot, token = lease(c, "stress", 3, "10 s", "5 s")
+                got = time.monotonic()
+                if slot is None:
+                    nulls += 1
+                    continue
+                with lock:
+                    if not 0 <= slot < 3:
+                        out_of_range.append((slot, token))
+                    if slot in holding:
+                        overlaps.append((slot, holding[slot], token))
+                    holding[slot] = token
+                    most[0] = max(most[0], len(holding))
+                time.sleep(0.001)  # the guarded work
+                with lock:
+                    del holding[slot]
+                releasing = time.monotonic()
+                ok = release_lease(c, "stress", slot, token)
+                released += ok is True
+                with lock:
+                    ledger.append({"slot": slot, "token": token, "called": called, "got": got,
+                                   "releasing": releasing})
+            results[i] = (nulls, released)
+        except Exception as e:  # noqa: BLE001 - fails the test below
+            failures.append((i, repr(e)))
 
     workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
     for t in workers:
         t.start()
     for t in workers:
-        t.join()
+        t.join(timeout=120)
+    assert not [t for t in workers if t.is_alive()], "a worker did not finish"
+    assert failures == []
     assert None not in results, "a worker failed"
     nulls = sum(r[0] for r in results)
     released = sum(r[1] for r in results)
+    assert out_of_range == []
     assert overlaps == []
+    assert 1 <= most[0] <= 3  # never more believed holders at once than n
     assert len(ledger) == threads * cycles and nulls == 0  # a 5 s wait always got a slot
     assert released == len(ledger)
     tokens = [e["token"] for e in ledger]
@@ -950,15 +968,21 @@ def test_a_lease_taken_by_a_waiter_woken_by_a_sweep_still_expires(fast):
     frees an expired lease, and takes that slot while the launcher's sweep goes on over the
     cap's other slots. Its lease must still come back once its own ttl has passed. (Whether the
     launcher or the waiter's own recheck frees the first lease is up to timing: a round where
-    the waiter did it proves nothing, so it tries up to 20 times.)"""
+    the waiter did it proves nothing, so it runs 20 rounds, and more until the expiry LOG lines
+    show the launcher freeing the first lease in one of them, at most 60.)"""
     fast.create_database("sweep_wake")
+    since = len(fast.log_text())
     with fast.connect("sweep_wake") as a, fast.connect("sweep_wake") as w, \
             fast.connect("sweep_wake") as p:
+        launcher = one(p, LAUNCHER)
         # A cap of 1,024 slots: the sweep looks at all of them.
         assert one(p, "SELECT stage_e_try_slot('nat', 1024)") == 0
         assert one(p, "SELECT stage_e_release_all()") == 1
-        for attempt in range(20):
-            lease(a, "nat", 1, "50 ms")
+        freers = []  # per round, who freed the first lease: "launcher" or another pid
+        for attempt in range(60):
+            if attempt >= 20 and "launcher" in freers:
+                break
+            _, first = lease(a, "nat", 1, "50 ms")
             slot, token = lease(w, "nat", 1, "200 ms", "5 s")
             assert slot == 0
             expires = holders(p, "nat")[0]["expires_at"]
@@ -968,6 +992,16 @@ def test_a_lease_taken_by_a_waiter_woken_by_a_sweep_still_expires(fast):
                 f"round {attempt}: the waiter's lease (token {token}) expired at {expires} "
                 f"is still held at {server_now(p)}, and the acquisition was throttled")
             assert one(p, "SELECT stage_e_release('nat', 0)") is True
+            # Both leases ended as expiries (each logged once, by whoever freed it).
+            by = wait_for(lambda: freed_by(fast.log_text()[since:], "nat", first, token),
+                          timeout=5, what=f"round {attempt}'s expiry LOG lines")
+            assert by[token] in (launcher, p.info.backend_pid, w.info.backend_pid), by
+            freers.append("launcher" if by[first] == launcher else by[first])
+        s = stats(p, "nat")
+        assert (s["expired"], s["held"]) == (2 * len(freers), 0)
+        print(f"\n{len(freers)} rounds; the first lease freed by the launcher in "
+              f"{freers.count('launcher')}, by the waiter in {freers.count(w.info.backend_pid)}")
+        assert "launcher" in freers, "the launcher never freed the lease the waiter waited for"
 
 
 def test_a_lease_taken_while_its_cap_is_being_swept_still_expires(tmp_path):
@@ -997,15 +1031,28 @@ def test_a_lease_taken_while_its_cap_is_being_swept_still_expires(tmp_path):
                  "-ex", "delete", "-ex", "detach"],
                 stdout=gdb_out, stderr=subprocess.STDOUT)
             wait_for(ready.exists, timeout=120, what="gdb to attach")
+            since = len(c.log_text())
             # The only lease: slot 5, expiring in 100 ms; then slots 0-4 are freed.
-            assert lease(a, "race", 6, "100 ms")[0] == 5
+            five, five_token = lease(a, "race", 6, "100 ms")
+            assert five == 5
             assert one(a, "SELECT stage_e_release_all()") == 5
             wait_for(hit.exists, timeout=30, what="the launcher's sweep to reach slot 5")
+            # The race itself: the launcher is stopped inside end_lease (ptrace's "t"), its
+            # sweep not done (the expiry of slot 5 is not logged yet), while slot 0 is leased.
+            assert proc_state(launcher) == "t"
             slot, token = lease(t, "race", 6, "300 ms")  # behind the sweep
             assert slot == 0
+            assert proc_state(launcher) == "t"
+            assert freed_by(c.log_text()[since:], "race", five_token) is None
             go.touch()
             assert gdb.wait(30) == 0
             gdb = None
+            gdb_out.close()
+            assert re.search(r"Breakpoint 1, .*stage_e_slots::shmem::Cap::end_lease",
+                             (tmp_path / "gdb.out").read_text())
+            # The stopped sweep was the launcher's, ending slot 5's lease.
+            assert wait_for(lambda: freed_by(c.log_text()[since:], "race", five_token),
+                            timeout=10, what="slot 5's expiry LOG line")[five_token] == launcher
             expires = holders(a, "race")[0]["expires_at"]
             wait_past(a, expires, margin=0.2)
             # Expired, so the acquisition that would otherwise be throttled frees it.
@@ -1013,6 +1060,12 @@ def test_a_lease_taken_while_its_cap_is_being_swept_still_expires(tmp_path):
             assert got == 0, (
                 f"the lease (token {token}) expired at {expires} is still held at "
                 f"{server_now(a)}: {holders(a, 'race')}")
+            # It ended as an expiry: logged (by this acquisition, or a sweep just before it)
+            # and counted, with slot 5's.
+            by = wait_for(lambda: freed_by(c.log_text()[since:], "race", token), timeout=10,
+                          what="slot 0's expiry LOG line")
+            assert by[token] in (launcher, a.info.backend_pid)
+            assert stats(a, "race")["expired"] == 2
     finally:
         if gdb is not None:
             (tmp_path / "go").touch()

@@ -2,7 +2,11 @@
 as node-postgres sends them and asyncpg prepares them. Generated from the catalog: for each
 function and each number of arguments its defaults allow, `PREPARE` a call whose parameters
 have no type; it must resolve to exactly that function (the statement's inferred parameter
-types are the function's argument types). Run on every major."""
+types are the function's argument types). Run on every major. Also from the catalog: the
+functions with a form without `cap` are the ones the README's Functions section names."""
+
+import re
+from pathlib import Path
 
 from psycopg import errors
 
@@ -87,3 +91,79 @@ def test_the_check_finds_the_0_4_0_ambiguity(cluster):
         assert unresolved(c) == [("stage_e_try_slot", 2, "42725")] * 2
         c.execute("ALTER EXTENSION stage_e_slots UPDATE")
         assert unresolved(c) == []
+
+
+# Every function of the extension with the names of its input arguments.
+INPUTS = """
+SELECT p.proname,
+       ARRAY(SELECT a.name
+               FROM unnest(p.proargnames,
+                           coalesce(p.proargmodes, array_fill('i'::"char",
+                                    ARRAY[coalesce(cardinality(p.proargnames), 0)])))
+                    AS a(name, mode)
+              WHERE a.mode IN ('i', 'b', 'v'))
+  FROM pg_depend d
+  JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'stage_e_slots'
+  JOIN pg_proc p ON p.oid = d.objid AND d.classid = 'pg_proc'::regclass
+ WHERE d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e' AND p.prokind = 'f'
+"""
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_forms_without_cap():
+    """The functions the README's Functions section says have a form without `cap`: (those
+    whose form is for the cap `default`, those whose form is for every cap)."""
+    section = README.read_text().split("\n### Functions\n", 1)[1]
+    head = " ".join(section.split("No two functions", 1)[0].split())
+    named, _ = head.split(" The other functions that take a cap have no form without it", 1)
+    for_default, for_every_cap = named.split("for the cap named `default`", 1)
+    return (set(re.findall(r"`(stage_e_\w+)`", for_default)),
+            set(re.findall(r"`(stage_e_\w+)`", for_every_cap)))
+
+
+def test_the_functions_with_a_form_without_cap_are_the_ones_the_readme_names(connect):
+    """From the catalog: of the functions that take a `cap` argument, those that also have a
+    form without one are exactly the README's two lists (a new form, or a new cap-only
+    function named there, fails this until the sentence says so)."""
+    forms = {}
+    for name, args in connect().execute(INPUTS).fetchall():
+        forms.setdefault(name, []).append(args)
+    takes_cap = {n for n, fs in forms.items() if any("cap" in a for a in fs)}
+    without_cap = {n for n in takes_cap if any("cap" not in a for a in forms[n])}
+    for_default, for_every_cap = readme_forms_without_cap()
+    assert for_default and for_every_cap and not for_default & for_every_cap
+    assert for_default | for_every_cap == without_cap
+    # The cap-only ones, among them the lease functions and stage_e_slot_token.
+    assert {"stage_e_try_slots", "stage_e_lease", "stage_e_renew", "stage_e_release_lease",
+            "stage_e_slot_token", "stage_e_cap_key"} <= takes_cap - without_cap
+    # A form for `default` takes what the cap's form takes, less the cap.
+    for name in for_default:
+        capless = [a for a in forms[name] if "cap" not in a]
+        assert all(a in [[x for x in f if x != "cap"] for f in forms[name] if "cap" in f]
+                   for a in capless), (name, forms[name])
+
+
+def test_the_forms_without_cap_act_on_default_or_on_every_cap(connect):
+    """What the two lists mean: the first ones' forms are the cap `default`'s, the others'
+    act on every cap of the database."""
+    c, other = connect(), connect("other")
+    for_default, for_every_cap = readme_forms_without_cap()
+    assert for_default == {"stage_e_try_slot", "stage_e_release", "stage_e_holding"}
+    assert for_every_cap == {"stage_e_release_all", "stage_e_reset_stats"}
+    assert one(c, "SELECT stage_e_try_slot(2)") == 0
+    assert one(other, "SELECT stage_e_try_slot('default', 2)") == 1
+    assert one(c, "SELECT stage_e_holding(0)") is True
+    assert one(c, "SELECT stage_e_holding('default', 0)") is True
+    assert one(other, "SELECT stage_e_holding(1)") is True
+    assert one(other, "SELECT stage_e_release(1)") is True
+    assert one(other, "SELECT stage_e_holding('default', 1)") is False
+    # release_all() gives back this session's slots of every cap; reset_stats() zeroes every
+    # cap's counts.
+    assert one(c, "SELECT stage_e_try_slot('exports', 2)") == 0
+    assert one(c, "SELECT stage_e_release_all()") == 2
+    assert one(c, "SELECT count(*) FROM stage_e_slot_holders") == 0
+    totals = "SELECT cap, acquired, released FROM stage_e_throttle_totals ORDER BY cap"
+    assert c.execute(totals).fetchall() == [("default", 2, 2), ("exports", 1, 1)]
+    c.execute("SELECT stage_e_reset_stats()")
+    assert c.execute(totals).fetchall() == [("default", 0, 0), ("exports", 0, 0)]

@@ -313,6 +313,10 @@ def poll_held_back(ha: HACluster, node: str):
 
 # -- the test --------------------------------------------------------------------------------
 
+# Its own waits add up to about 600 s at worst, the suite's default limit (conftest.py): the
+# bring-up (180 s), the warm-up (30 s), and per event up to 60 s each to switch or fail over,
+# to rejoin and to settle. A run takes about a minute; twice the worst case as its limit.
+@pytest.mark.timeout(1200)
 def test_leases_across_switchover_and_failover(ha):
     leader = ha.leader()
     with ha.connect(leader) as c:

@@ -17,6 +17,10 @@ from conftest import one, stats, wait_for
 from pgbouncer import PgBouncer
 
 CAP = "pooled"
+# The LOG line of an expiry, with the log_line_prefix ('%m [%p] %a: ') pid of who freed it.
+EXPIRY = re.compile(
+    r"\[(?P<by>\d+)\] [^\n]*LOG:  stage_e_slots: lease of slot (?P<slot>\d+) of cap "
+    r"\"(?P<cap>[^\"]+)\" \(token (?P<token>\d+), taken by pid (?P<pid>\d+)\) expired")
 
 
 def notice(d):
@@ -493,17 +497,23 @@ def test_expired_leases_are_freed_while_the_freed_slot_is_leased_again(cluster, 
     one backend's sweep while another leases the slot again. Once they stop, the last lease is
     long expired: the next try must free it and get the slot (a throttled try sweeps first),
     and the launcher frees it within its 5 s sweep interval in any case. Correct code passes
-    every round whatever the timing; the rounds only give a race in the sweep its chances."""
+    every round whatever the timing; the rounds only give a race in the sweep its chances.
+    That it happened is checked too: in every round leases expired (each lease of the round
+    ended, by its expiry or, for the last one, the release), and the expiry LOG lines show
+    several backends freeing leases, some of them leases another backend had taken."""
     cap, clients, rounds = "churn", 8, 15
     bouncer = pooler("transaction", pool_size=4)
     direct = cluster.connect(db, "observer")
     conns = []
+    since = len(cluster.log_text())
+    expired = 0
     try:
         conns = [bouncer.connect(db, application_name=f"churner-{i}") for i in range(clients)]
         # 50 tries per round trip, to spend the time in the server rather than in Python.
         churn = ("SELECT count((stage_e_lease(%s, 1, '1 ms')).slot) "
                  "FROM generate_series(1, 50)")
         for round_ in range(rounds):
+            before = stats(direct, cap)
             stop = threading.Event()
             errors = []
 
@@ -521,6 +531,7 @@ def test_expired_leases_are_freed_while_the_freed_slot_is_leased_again(cluster, 
             stop.set()
             for t in threads:
                 t.join(timeout=60)
+            assert not [t for t in threads if t.is_alive()], "a client did not stop in 60 s"
             assert errors == []
             time.sleep(0.05)  # 50 times the last lease's TTL
             got = direct.execute("SELECT * FROM stage_e_lease(%s, 1, '30 s')",
@@ -544,6 +555,28 @@ def test_expired_leases_are_freed_while_the_freed_slot_is_leased_again(cluster, 
             assert got[0] == 0
             assert one(direct, "SELECT stage_e_release_lease(%s, 0, %s)",
                        (cap, got[1])) is True
+            # Every lease of the round ended: the direct one released, all others expired
+            # (freed by a churner's sweep, the direct lease's or the launcher's).
+            d = {k: stats(direct, cap)[k] - before[k]
+                 for k in ("acquired", "expired", "released", "foreign_releases")}
+            assert d["released"] == 1 and d["foreign_releases"] == 0, d
+            assert d["expired"] == d["acquired"] - 1 >= 1, (round_, d)
+            expired += d["expired"]
+        # Each expiry logged once, with who freed it ([pid] of the line) and who had taken it.
+        lines = [m.groupdict() for m in EXPIRY.finditer(cluster.log_text()[since:])
+                 if m["cap"] == cap]
+        assert len(lines) == expired
+        # The pooler's server connections, apart from this observer and the launcher: several
+        # of them freed leases, and some freed a lease another one had taken.
+        launcher = one(direct, "SELECT pid FROM pg_stat_activity "
+                               "WHERE backend_type = 'stage_e_slots launcher'")
+        pooled = [m for m in lines if int(m["by"]) not in (direct.info.backend_pid, launcher)]
+        freers = {m["by"] for m in pooled}
+        by_another = sum(1 for m in pooled if m["by"] != m["pid"])
+        print(f"\n{expired} leases expired in {rounds} rounds, {len(pooled)} freed by "
+              f"{len(freers)} server connections of the pooler, {by_another} of those taken by "
+              f"another one")
+        assert len(freers) >= 2 and by_another >= 1
     finally:
         for conn in conns:
             conn.close()

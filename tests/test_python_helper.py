@@ -59,7 +59,8 @@ def test_one_connection_per_thread_is_reused(dsn):
     t = threading.Thread(target=lambda: other.append(
         connection_for(dsn)._connection().info.backend_pid))
     t.start()
-    t.join()
+    t.join(timeout=30)
+    assert not t.is_alive()
     assert other[0] != pids[0]
 
 
@@ -332,6 +333,7 @@ def test_wait_is_woken_by_a_release_and_times_out_as_throttled(dsn, connect):
              what="the helper to wait")
     assert one(blocker, "SELECT stage_e_release('w', 0)") is True
     t.join(10)
+    assert not t.is_alive(), "the waiting helper did not return"
     assert got == [0]
     sc = SlotConnection(dsn)
     assert one(blocker, "SELECT stage_e_try_slot('w2', 1)") == 0
@@ -435,6 +437,7 @@ def test_throttled_lease_yields_none_and_is_counted(lease_dsn, connect):
              what="the lease to wait")
     assert one(blocker, "SELECT stage_e_release_lease('exports', 0, %s)", (token,)) is True
     t.join(10)
+    assert not t.is_alive(), "the waiting lease did not return"
     assert len(got) == 1 and got[0][0] == 0 and got[0][1] > token
     assert leases(observer, "exports") == []
 
@@ -604,6 +607,7 @@ def test_many_clients_through_pgbouncer_transaction_mode_keep_the_cap(cluster, d
             t.start()
         for t in threads:
             t.join(60)
+        assert not [t for t in threads if t.is_alive()], "a client did not finish in 60 s"
         # The pooler's server connections to this database: every backend here but ours.
         servers = one(observer, "SELECT count(*) FROM pg_stat_activity WHERE datname = %s "
                                 "AND backend_type = 'client backend' AND pid <> pg_backend_pid()",

@@ -1,6 +1,7 @@
 """ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0, 0.6.0, 0.7.0 and 0.8.0, with
 data and holders, against the current library; and the updated schema against a fresh install's."""
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -64,6 +65,7 @@ ORDER BY 1
 """
 
 
+ROOT = Path(__file__).resolve().parent.parent
 CURRENT = tomllib.loads((Path(__file__).resolve().parent.parent / "Cargo.toml").read_text())[
     "package"]["version"]
 
@@ -551,3 +553,83 @@ def test_a_0_8_0_database_is_served_without_adaptive_caps_then_updated_keeps_its
         assert describe(c, "v080") == describe(c, "fresh9")
     finally:
         c.destroy()
+
+
+def update_chain():
+    """The versions from 0.1.0 to the current one, one update script of sql/ at a time."""
+    steps = {}
+    for path in (ROOT / "sql").glob("stage_e_slots--*--*.sql"):
+        old, new = path.name.removesuffix(".sql").split("--")[1:]
+        steps.setdefault(old, []).append(new)
+    chain = ["0.1.0"]
+    while chain[-1] != CURRENT:
+        assert len(steps.get(chain[-1], [])) == 1, f"the updates from {chain[-1]}: {steps}"
+        chain.append(steps[chain[-1]][0])
+        assert len(chain) <= len(steps) + 1, f"the updates loop: {chain}"
+    # Every update script is a step of it.
+    assert len(chain) - 1 == sum(len(v) for v in steps.values()), (chain, steps)
+    return chain
+
+
+def test_every_update_one_step_at_a_time_with_a_slot_held_across_each(uc):
+    """0.1.0 to the current version, one ALTER EXTENSION ... UPDATE TO at a time (the versions
+    from sql/'s update scripts), a session holding a slot of `default` across every step and,
+    from 0.4.0 on, a lease too. After each step: the version is the step's, the holder still
+    holds its lock (pg_locks, and stage_e_holding), the cap still binds, the holders view
+    shows it. At the end the counts made along the way are all there, and the schema is a
+    fresh install's."""
+    chain = update_chain()
+    assert chain[0] == "0.1.0" and chain[-1] == CURRENT and len(chain) >= 9, chain
+    uc.create_database("chain", extension=False)
+    uc.sql("CREATE EXTENSION stage_e_slots VERSION '0.1.0'", dbname="chain")
+    with uc.connect("chain", "holder") as holder, uc.connect("chain", "other") as other, \
+            uc.connect("chain", "observer") as observer:
+        assert one(holder, "SELECT stage_e_try_slot(1)") == 0
+        lease = None
+        for i, version in enumerate(chain):
+            if i:
+                observer.execute(f"ALTER EXTENSION stage_e_slots UPDATE TO '{version}'")
+            assert one(observer, "SELECT extversion FROM pg_extension "
+                                 "WHERE extname = 'stage_e_slots'") == version
+            assert slot_lock_holders(observer) == [(0, holder.info.backend_pid)], version
+            assert one(holder, "SELECT stage_e_holding(0)") is True, version
+            assert one(other, "SELECT stage_e_try_slot(1)") is None, version  # a throttle
+            if version == "0.4.0":
+                lease = other.execute("SELECT * FROM stage_e_lease('jobs', 1, '1 hour')"
+                                      ).fetchone()
+                assert lease[0] == 0
+            if lease is not None:
+                assert observer.execute(
+                    "SELECT cap, slot, pid, token FROM stage_e_slot_holders ORDER BY cap"
+                ).fetchall() == [("default", 0, holder.info.backend_pid, None),
+                                 ("jobs", 0, other.info.backend_pid, lease[1])], version
+                assert other.execute("SELECT * FROM stage_e_lease('jobs', 1, '1 hour')"
+                                     ).fetchone() == (None, None), version
+            elif i:
+                assert observer.execute("SELECT cap, slot, pid FROM stage_e_slot_holders"
+                                        ).fetchall() == [
+                    ("default", 0, holder.info.backend_pid)], version
+        assert lease is not None
+        # Nothing was flushed on the way (flush_interval is an hour): every count made at any
+        # version was still pending across the later updates, and is in the totals.
+        steps_with_lease = len(chain) - chain.index("0.4.0")
+        assert observer.execute("SELECT cap, acquired, throttled FROM stage_e_throttle_totals "
+                                "ORDER BY cap").fetchall() == [
+            ("default", 1, len(chain)), ("jobs", 1, steps_with_lease)]
+        observer.execute("SELECT stage_e_flush()")
+        assert observer.execute("SELECT cap, acquired, throttled FROM stage_e_throttle_counter "
+                                "ORDER BY cap").fetchall() == [
+            ("default", 1, len(chain)), ("jobs", 1, steps_with_lease)]
+        assert one(holder, "SELECT stage_e_release('default', 0)") is True
+        assert one(other, "SELECT stage_e_release_lease('jobs', 0, %s)", (lease[1],)) is True
+    uc.create_database("fresh_chain")
+    assert describe(uc, "chain") == describe(uc, "fresh_chain")
+
+
+def test_the_readmes_package_names_carry_the_version_of_cargo_toml():
+    """The artifacts the README names (the .deb, the tarball and its folder) are of the
+    version `make package` builds now, Cargo.toml's."""
+    names = re.findall(r"stage[-_]e[-_]slots[-_](\d+\.\d+\.\d+)",
+                       (ROOT / "README.md").read_text())
+    assert len(names) >= 4, names  # the .deb twice, the tarball, its folder
+    assert set(names) == {CURRENT}

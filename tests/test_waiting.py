@@ -44,7 +44,8 @@ class Waiter:
 
     def wait(self, timeout=10):
         assert self.done.wait(timeout), "the waiting call did not return"
-        self.thread.join()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "the waiter's thread did not end"
         return self
 
 
@@ -194,29 +195,44 @@ def test_slots_freed_together_serve_the_waiters_behind_a_head_not_yet_running(co
 def test_a_waiter_wins_against_continuous_tries_at_the_first_release(connect):
     holder, observer = connect("holder"), connect("observer")
     assert one(holder, "SELECT stage_e_try_slot('busy', 1)") == 0
-    stop, grabbed = threading.Event(), []
+    stop, grabbed, failures = threading.Event(), [], []
     tries = [connect(f"try-{i}") for i in range(3)]
+    attempts = [0] * len(tries)  # tries each hammer made (each one returned)
 
-    def hammer(c):
-        while not stop.is_set():
-            s = one(c, "SELECT stage_e_try_slot('busy', 1)")
-            if s is not None:
-                grabbed.append(c.info.backend_pid)
-                one(c, "SELECT stage_e_release('busy', 0)")
+    def hammer(i):
+        c = tries[i]
+        try:
+            while not stop.is_set():
+                s = one(c, "SELECT stage_e_try_slot('busy', 1)")
+                attempts[i] += 1
+                if s is not None:
+                    grabbed.append(c.info.backend_pid)
+                    one(c, "SELECT stage_e_release('busy', 0)")
+        except Exception as e:  # noqa: BLE001 - fails the test below
+            failures.append((i, repr(e)))
 
-    threads = [threading.Thread(target=hammer, args=(c,)) for c in tries]
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(len(tries))]
     for t in threads:
         t.start()
     try:
         w = Waiter(connect("waiter"), "SELECT stage_e_try_slot('busy', 1, '30 s')")
         queued(observer, w, "busy", 1)
+        # Every hammer is trying while the waiter waits, right up to the release.
+        seen = list(attempts)
+        wait_for(lambda: all(a >= s + 3 for a, s in zip(attempts, seen)) or failures,
+                 timeout=10, what="every hammer to try while the waiter waits")
         assert one(holder, "SELECT stage_e_release('busy', 0)") is True
         assert w.wait().result == 0
         assert grabbed == []  # no try got the slot while the waiter waited
     finally:
         stop.set()
         for t in threads:
-            t.join()
+            t.join(timeout=30)
+    assert not [t for t in threads if t.is_alive()], "a hammer did not stop"
+    assert failures == []
+    assert all(a > 0 for a in attempts), attempts
+    # Every try the hammers made was throttled, and counted so.
+    assert stats(observer, "busy")["throttled"] == sum(attempts)
 
 
 def test_k_slots_all_or_nothing_and_each_released_alone(connect):
@@ -282,7 +298,7 @@ def test_an_interrupted_waiter_leaves_the_queue_and_the_next_one_is_served(
 def test_waiting_never_admits_more_than_n(connect):
     sessions = [connect(f"w{i}") for i in range(12)]
     observer = connect("observer")
-    ledger, lock, violations = {}, threading.Lock(), []
+    ledger, lock, violations, most = {}, threading.Lock(), [], [0]
 
     def work(i):
         c = sessions[i]
@@ -292,9 +308,12 @@ def test_waiting_never_admits_more_than_n(connect):
             if slot is None:
                 continue
             with lock:
+                if not 0 <= slot < 3:
+                    violations.append(("out of range", slot, i))
                 if slot in ledger:
                     violations.append((slot, ledger[slot], i))
                 ledger[slot] = i
+                most[0] = max(most[0], len(ledger))
             time.sleep(0.002)
             with lock:
                 del ledger[slot]
@@ -305,6 +324,7 @@ def test_waiting_never_admits_more_than_n(connect):
     with ThreadPoolExecutor(12) as pool:
         total = sum(pool.map(work, range(12)))
     assert violations == []
+    assert 1 <= most[0] <= 3  # never more believed holders at once than n
     assert total == 12 * 15  # with a 5 s wait every call got its slot
     s = stats(observer, "many")
     assert s["acquired"] == total and s["released"] == total
