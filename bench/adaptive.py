@@ -61,7 +61,7 @@ KNEE = 0.05
 WAIT = "1 s"
 PAIR_CLIENTS = 8
 PAIR_N = 64
-PAIR_ROUNDS = 3
+PAIR_ROUNDS = 5
 PAIR_SECONDS = 4
 
 TRY = "SELECT stage_e_try_slot(%s::text, %s::int, %s::interval)"
@@ -345,7 +345,8 @@ def pgbench(cluster: Cluster, pg_config: str, script: Path, clients: int, second
 def bench_pair(cluster: Cluster, pg_config: str, conn) -> dict:
     """make bench's named-cap pair (pair_stage_e_named.sql) on an adaptive cap whose bounds
     pin the limit at n against a plain cap: what the policy costs the hot path. The two run in
-    turn, the order rotating each round; medians."""
+    turn, the order rotating each round; medians, and the median and range of the ratio of the
+    two runs of each round (neighbours in time share the machine's noise)."""
     print(f"  acquire+release pair, adaptive cap (min = max = {PAIR_N}) vs plain cap, "
           f"{PAIR_CLIENTS} clients, {PAIR_ROUNDS} rounds x {PAIR_SECONDS} s", flush=True)
     text = (HERE / "pair_stage_e_named.sql").read_text()
@@ -365,6 +366,8 @@ def bench_pair(cluster: Cluster, pg_config: str, conn) -> dict:
                                           PAIR_SECONDS, n=PAIR_N))
     out = {n: statistics.median(v) for n, v in seen.items()}
     out["rounds"] = seen
+    ratios = sorted(a / p for a, p in zip(seen["adaptive"], seen["plain"]))
+    out["ratio"] = {"median": statistics.median(ratios), "low": ratios[0], "high": ratios[-1]}
     print(f"    adaptive {out['adaptive']:,.0f} tps, plain {out['plain']:,.0f} tps", flush=True)
     return out
 
@@ -441,8 +444,10 @@ def targets(r: dict) -> list[tuple[str, float | None, str, bool]]:
         row(f"CPU-bound SQL: adaptive p99 vs that static (n={b['top_n']})",
             a["p99_ms"] / b["top_p99_ms"], "<= 1.25x", lambda v: v <= 1.25)
     if "pair" in r:
-        row(f"pair, {PAIR_CLIENTS} clients: adaptive cap (min = max = {PAIR_N}) vs plain cap",
-            r["pair"]["adaptive"] / r["pair"]["plain"], ">= 0.95x", lambda v: v >= 0.95)
+        q = r["pair"]["ratio"]
+        row(f"pair, {PAIR_CLIENTS} clients: adaptive cap (min = max = {PAIR_N}) vs plain cap "
+            f"(median of {PAIR_ROUNDS} rounds' ratios, range {q['low']:.2f}-{q['high']:.2f})",
+            q["median"], ">= 0.95x", lambda v: v >= 0.95)
     return out
 
 

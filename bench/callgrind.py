@@ -5,7 +5,9 @@ bench/run.py's PL/pgSQL loops, stops it, and runs a single-user backend under
 `valgrind --tool=callgrind` (shared_preload_libraries loaded, no background worker) with each
 loop at 10,000 and 30,000 iterations. The difference divided by 20,000 is one pair's cost, with
 start-up cancelled out: the stage_e_slots pair (`stage_e_try_slot(8)` + `stage_e_release`), the
-SQL advisory-lock pair, and their ratio. Needs valgrind (Debian's `valgrind`) and a release
+SQL advisory-lock pair, and their ratio; then the pair on a named cap, plain and adaptive (its
+limit pinned at n = 8 by `stage_e_adapt(cap, 8, 8)`, so the limit's checks run on every
+acquisition): what an adaptive cap costs the hot path. Needs valgrind (Debian's `valgrind`) and a release
 build (`make install`); takes a few minutes.
 """
 
@@ -21,7 +23,9 @@ import run as bench
 from pgcluster import PG_CONFIG, Cluster, bindir
 
 LOOPS = {"stage_e_slots": "SELECT inserver_stage_e({n})",
-         "SQL advisory locks": f"SELECT inserver_raw({bench.KEY}, {{n}})"}
+         "SQL advisory locks": f"SELECT inserver_raw({bench.KEY}, {{n}})",
+         "named cap": "SELECT inserver_named('plain', {n})",
+         "adaptive cap": "SELECT inserver_named('adaptive', {n})"}
 
 
 def instructions(postgres: str, data: str, query: str) -> int:
@@ -43,6 +47,15 @@ def main() -> None:
     c = Cluster("callgrind", pg_config=pg_config, port=5620).init().start()
     try:
         bench.setup(c)
+        with c.connect("bench") as s:
+            s.execute("""CREATE FUNCTION inserver_named(cap text, iters int) RETURNS void
+                         LANGUAGE plpgsql AS $$ DECLARE s int; ok bool; BEGIN
+                         FOR i IN 1 .. iters LOOP s := stage_e_try_slot(cap, 8);
+                         ok := stage_e_release(cap, s); END LOOP; END $$""")
+            s.commit()
+            # Kept in the cap's row: the single-user backend's load of the database restores it.
+            s.execute("SELECT stage_e_adapt('adaptive', 8, 8)")
+            s.commit()
         c.stop()
         postgres = str(bindir(pg_config) / "postgres")
         per_pair = {}
@@ -53,6 +66,8 @@ def main() -> None:
             print(f"{name}: {per_pair[name]:,.0f} instructions per pair", flush=True)
         ratio = per_pair["stage_e_slots"] / per_pair["SQL advisory locks"]
         print(f"ratio: {ratio:.3f}x")
+        adaptive = per_pair["adaptive cap"] / per_pair["named cap"]
+        print(f"adaptive cap / named cap: {adaptive:.3f}x")
     finally:
         c.destroy()
 

@@ -38,7 +38,7 @@ pub const MIN_RELEASES: u64 = 4;
 /// ... or is this long (µs); then it counts as idle and starts over.
 pub const MAX_WINDOW_US: i64 = 10_000_000;
 /// Hold times up to this multiple of the baseline are not congestion.
-pub const TOLERANCE: f64 = 1.1;
+pub const TOLERANCE: f64 = 1.35;
 /// The most a congested window takes off the limit.
 pub const MAX_SHRINK: f64 = 0.10;
 /// Growth per window, times the square root of the limit (the queue term).
