@@ -367,16 +367,17 @@ def test_constant_overload_neither_grows_the_limit_nor_the_baseline(ac, adb):
 
 
 def test_a_short_spike_does_not_collapse_the_limit(ac, adb):
-    """Settled at about 6 (capacity 6, 10 clients, bounds [1, 16]), the service turns 3x
-    slower for 2 s: the limit comes down by at most 10% a window, so it never reaches
-    min_slots = 1, and goes back to 5 or more once the service is fast again."""
+    """Settled near its capacity (capacity 6, 10 clients, bounds [1, 16]: between 6 and about
+    1.35 x 6 + 1), the service turns 3x slower for 2 s: the limit comes down by at most 10% a
+    window, so it never reaches min_slots = 1, and goes back to 5 or more once the service is
+    fast again."""
     with ac.connect(adb) as c:
         adapt(c, "spiky", 1, 16)
         service = Service(6)
         obs = Observer(ac, adb, "spiky")
         clients = Clients(ac, adb, "spiky", service, 10)
         try:
-            settle(c, "spiky", 5, 8, timeout=40)
+            settle(c, "spiky", 5, 10, timeout=40)
             before = limit_of(c, "spiky")
             t0 = time.monotonic()
             service.seconds = 3 * SERVICE_TIME
