@@ -146,6 +146,11 @@ impl PolicyRecord {
         self.slow_start.store(l.slow_start as u32, Relaxed);
     }
 
+    /// Whether the learned limit differs from what a flusher last wrote to the cap's row.
+    fn unwritten(&self) -> bool {
+        self.written.load(Relaxed) != self.learned().limit(self.bounds())
+    }
+
     fn enforce(&self) -> bool {
         self.enforce.load(Relaxed) != 0
     }
@@ -272,16 +277,18 @@ pub fn learned_limit(db: u32, name: &str, bounds: Bounds) -> Option<u32> {
 
 /// The databases with learned limits not yet written to their rows.
 pub fn databases_with_limits_to_write() -> Vec<u32> {
+    databases_where(PolicyRecord::unwritten)
+}
+
+/// The databases of the records in use for which `keep` is true, once each.
+fn databases_where(keep: impl Fn(&PolicyRecord) -> bool) -> Vec<u32> {
     if records().is_empty() {
         return Vec::new();
     }
     let mut dbs: Vec<u32> = adapt_locked(SHARED, || {
         records()
             .iter()
-            .filter(|r| {
-                let db = r.db.load(Relaxed);
-                db != 0 && r.written.load(Relaxed) != r.learned().limit(r.bounds())
-            })
+            .filter(|r| r.db.load(Relaxed) != 0 && keep(r))
             .map(|r| r.db.load(Relaxed))
             .collect()
     });
@@ -439,19 +446,7 @@ pub fn clear_policies(db: u32) {
 
 /// The databases that have adaptive caps.
 pub fn policy_databases() -> Vec<u32> {
-    if records().is_empty() {
-        return Vec::new();
-    }
-    let mut dbs: Vec<u32> = adapt_locked(SHARED, || {
-        records()
-            .iter()
-            .map(|r| r.db.load(Relaxed))
-            .filter(|&d| d != 0)
-            .collect()
-    });
-    dbs.sort_unstable();
-    dbs.dedup();
-    dbs
+    databases_where(|_| true)
 }
 
 /// Adaptive caps in use, of any database (the launcher ticks while there are any).
@@ -566,15 +561,15 @@ pub fn limits_to_write(db: u32) -> Vec<ToWrite> {
     adapt_locked(SHARED, || {
         records()
             .iter()
-            .filter(|r| r.db.load(Relaxed) == db)
-            .filter_map(|r| {
+            .filter(|r| r.db.load(Relaxed) == db && r.unwritten())
+            .map(|r| {
                 let l = r.learned();
                 let limit = l.limit(r.bounds());
-                (r.written.load(Relaxed) != limit).then(|| ToWrite {
+                ToWrite {
                     cap: load_name(&r.name, &r.name_len),
                     limit,
                     baseline_us: (l.baseline_us > 0.0).then_some(l.baseline_us),
-                })
+                }
             })
             .collect()
     })

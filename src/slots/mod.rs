@@ -17,124 +17,23 @@
 
 pub mod adapt;
 pub mod durable;
+mod error;
 pub mod held;
 pub mod views;
 pub mod waiting;
 
+pub use error::{NamedError, SlotError};
 pub use views::{held_back, holders, load, stats, waiters};
 
 use crate::gucs;
 use crate::locks::{self, Probe};
 use crate::session::{self, Held};
 use crate::shmem::{self, Cap, CapError, Counter};
-use stage_e_core::directory::{self, NameError};
+use stage_e_core::directory;
 use stage_e_core::histogram::Metric;
 use stage_e_core::occupancy;
 use stage_e_core::share;
 use stage_e_core::wait::Wait;
-
-#[derive(Debug, PartialEq)]
-pub enum SlotError {
-    NotPreloaded,
-    Standby,
-    ParallelMode,
-    NullArgument {
-        name: &'static str,
-    },
-    CapOutOfRange {
-        n: i32,
-        max_slots: u32,
-    },
-    CountOutOfRange {
-        k: i32,
-        n: u32,
-    },
-    NegativeWait,
-    /// A lease's ttl must be positive.
-    BadTtl,
-    /// An adaptive cap's bounds (`stage_e_adapt`).
-    BadBounds(stage_e_core::adapt::BoundsError),
-    /// Every adaptive policy record is in use (`stage_e_slots.max_adaptive_caps`).
-    NoPolicyRecord {
-        max: u32,
-    },
-    /// A lease's ttl must be at most `stage_e_slots.max_lease_ttl` (`max_us`).
-    TtlTooLong {
-        ttl_us: i64,
-        max_us: i64,
-    },
-    /// This session holds `held` session slots, and `k` more would pass
-    /// `stage_e_slots.max_session_slots` (`max`).
-    TooManySessionSlots {
-        held: u32,
-        k: u32,
-        max: u32,
-    },
-    /// Every lease record is in use.
-    NoLeaseRecord {
-        max_leases: u32,
-    },
-    /// The list of waiters had no record for this backend (a bug: it has one per backend).
-    NoWaiterRecord,
-    SlotOutOfRange {
-        slot: i32,
-        max_slots: u32,
-    },
-    BadCapName(NameError),
-    /// A cap name of a SQL_ASCII database that is not UTF-8: the first bad `bytes`, `at` bytes
-    /// into the name.
-    CapNotUtf8 {
-        at: usize,
-        bytes: [u8; 4],
-        len: u8,
-    },
-    /// A cap name that fits in UTF-8 but takes more than `MAX_NAME` bytes (`len`) in the
-    /// database's `encoding`, where the tables' cap columns hold it.
-    CapTooLongHere {
-        len: usize,
-        encoding: &'static str,
-    },
-    /// The durable state of this database could not be loaded since the server started.
-    NotLoaded,
-    /// The database table of `stage_e_slots.max_databases`-like records is full.
-    TooManyDatabases,
-    /// A lease needs an advance of the horizon first (internal: `lease` waits for it and tries
-    /// again).
-    NeedsRoom {
-        expires_at: i64,
-        token: u64,
-    },
-    /// What went wrong with a cap by name. Boxed: the error path only, and the one variant that
-    /// owns memory, so that every `Result` of the hot path is small and drops for free.
-    Named(Box<Named>),
-}
-
-/// An error about one cap, by name.
-#[derive(Debug, PartialEq)]
-pub struct Named {
-    pub cap: String,
-    pub what: NamedError,
-}
-
-#[derive(Debug, PartialEq)]
-pub enum NamedError {
-    /// The cap could not be created or grown.
-    Cap(CapError),
-    /// The lease horizon (or token floor) of the cap was not made durable in time.
-    NoDurableRoom,
-    /// The current role may not renew or release the lease of `slot`, which role `owner`
-    /// took.
-    NotLeaseOwner { slot: u32, owner: u32 },
-}
-
-impl SlotError {
-    pub fn named(cap: impl Into<String>, what: NamedError) -> SlotError {
-        SlotError::Named(Box::new(Named {
-            cap: cap.into(),
-            what,
-        }))
-    }
-}
 
 pub enum Release {
     Released,
