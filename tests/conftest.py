@@ -117,3 +117,88 @@ def cap_locks(conn, cap):
         "AND granted AND classid = stage_e_cap_key(%s)::oid AND database = "
         "(SELECT oid FROM pg_database WHERE datname = current_database()) ORDER BY 1",
         (cap,)).fetchall()
+
+
+# -- every function of the extension, from the catalog ------------------------------------------
+
+# Sample arguments for each function of the extension, by its signature (name and argument
+# types), and what it is: "acts" (takes, releases or renews slots, leases or policies, or writes
+# counts: refused on a standby, 25006, and in parallel mode, 25000) or "reads" (works on a
+# standby and in parallel mode). extension_calls() fails for a function of the catalog that is
+# not here, so that a new function cannot be left out of the every-function tests (hostile
+# search_path, parallel mode, standby, not preloaded); add it here with arguments that succeed
+# on a primary. Cap 'k' throughout; waits are short.
+FUNCTION_SAMPLES = {
+    "stage_e_adapt(text, integer, integer, boolean)": ("acts", ["'k'", "1", "2", "true"]),
+    "stage_e_adapt_off(text)": ("acts", ["'k'"]),
+    "stage_e_cap_key(text)": ("reads", ["'k'"]),
+    "stage_e_cap_limits_internal()": ("reads", []),
+    "stage_e_cap_load_internal()": ("reads", []),
+    "stage_e_flush()": ("acts", []),
+    "stage_e_held_back_internal()": ("reads", []),
+    "stage_e_histogram_quantiles_internal()": ("reads", []),
+    "stage_e_histograms()": ("reads", []),
+    "stage_e_holding(integer)": ("acts", ["0"]),
+    "stage_e_holding(text, integer)": ("acts", ["'k'", "0"]),
+    "stage_e_lease(text, integer, interval, interval)": ("acts",
+                                                        ["'k'", "2", "'1 min'", "'10 ms'"]),
+    "stage_e_pending(bigint)": ("reads", ["0"]),
+    "stage_e_release(integer)": ("acts", ["0"]),
+    "stage_e_release(text, integer)": ("acts", ["'k'", "0"]),
+    "stage_e_release_all()": ("acts", []),
+    "stage_e_release_all(text)": ("acts", ["'k'"]),
+    "stage_e_release_lease(text, integer, bigint)": ("acts", ["'k'", "0", "1"]),
+    "stage_e_renew(text, integer, bigint, interval)": ("acts", ["'k'", "0", "1", "'1 s'"]),
+    "stage_e_reset_stats()": ("acts", []),
+    "stage_e_reset_stats(text)": ("acts", ["'k'"]),
+    "stage_e_slot_holders_internal()": ("reads", []),
+    "stage_e_slot_token(text, integer)": ("reads", ["'k'", "0"]),
+    "stage_e_slot_waiters_internal()": ("reads", []),
+    "stage_e_snapshot()": ("reads", []),
+    "stage_e_stats()": ("reads", []),
+    "stage_e_try_slot(integer)": ("acts", ["2"]),
+    "stage_e_try_slot(text, integer)": ("acts", ["'k'", "2"]),
+    "stage_e_try_slot(text, integer, interval)": ("acts", ["'k'", "2", "'10 ms'"]),
+    "stage_e_try_slots(text, integer, integer, interval)": ("acts", ["'k'", "2", "2", "'10 ms'"]),
+}
+
+# Every function (prokind 'f') that is a member of the extension: its name, its signature
+# (the name and argument types, as FUNCTION_SAMPLES keys it), how many arguments it takes and
+# how many of them have defaults. Every operator qualified: it runs under hostile search_paths.
+EXTENSION_FUNCTIONS = """
+SELECT p.proname,
+       pg_catalog.concat(p.proname, '(', pg_catalog.oidvectortypes(p.proargtypes), ')'),
+       p.pronargs, p.pronargdefaults
+  FROM pg_catalog.pg_depend d
+  JOIN pg_catalog.pg_extension e ON e.oid OPERATOR(pg_catalog.=) d.refobjid
+   AND e.extname OPERATOR(pg_catalog.=) 'stage_e_slots'::pg_catalog.name
+  JOIN pg_catalog.pg_proc p ON p.oid OPERATOR(pg_catalog.=) d.objid
+   AND d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+ WHERE d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_extension'::pg_catalog.regclass
+   AND d.deptype OPERATOR(pg_catalog.=) 'e' AND p.prokind OPERATOR(pg_catalog.=) 'f'
+ ORDER BY 2
+"""
+
+
+def extension_signatures(conn):
+    """The signatures of the extension's functions, from the catalog."""
+    return [r[1] for r in conn.execute(EXTENSION_FUNCTIONS).fetchall()]
+
+
+def extension_calls(conn, schema="public"):
+    """Every call of every function of the extension in conn's database, from the catalog:
+    (signature, kind, call) for each function and each number of arguments its defaults allow,
+    the arguments from FUNCTION_SAMPLES, the name qualified with `schema`. Fails, naming them,
+    if a function has no sample."""
+    rows = conn.execute(EXTENSION_FUNCTIONS).fetchall()
+    missing = sorted(sig for _, sig, _, _ in rows if sig not in FUNCTION_SAMPLES)
+    assert not missing, (f"functions of the extension without a sample in "
+                         f"conftest.FUNCTION_SAMPLES: {missing}")
+    assert rows, "the catalog query found no function of the extension"
+    out = []
+    for name, sig, nargs, ndefaults in rows:
+        kind, args = FUNCTION_SAMPLES[sig]
+        assert len(args) == nargs, (sig, args)
+        for k in range(nargs - ndefaults, nargs + 1):
+            out.append((sig, kind, f"{schema}.{name}({', '.join(args[:k])})"))
+    return out

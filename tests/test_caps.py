@@ -304,6 +304,54 @@ def test_caps_truly_in_use_beyond_max_caps_are_refused_then_fit_again():
         c.destroy()
 
 
+def test_full_slot_memory_is_53400_naming_the_setting_and_takes_nothing():
+    """stage_e_slots.slot_memory bounds the slot blocks of all caps (256-byte pages; a cap of
+    n = 1024 takes a 32 kB block). At its minimum, 64 kB, a cap of 4 and one of 1024 leave no
+    32 kB block: a new cap of 1024 and growing the small one to 1024 are both ERROR 53400 whose
+    DETAIL and HINT name the setting, and take nothing (no lock, no block, no cap); the cap
+    that could not grow keeps its holder and works at its old n. Once the big cap is idle,
+    its block serves the new one."""
+    c = Cluster("slot_memory", {"stage_e_slots.slot_memory": "'64kB'",
+                                "stage_e_slots.flush_interval": "'1h'"}).init().start()
+    try:
+        c.create_database("app")
+        with c.connect("app") as s, c.connect("app") as t:
+            def memory():
+                m = one(s, "SELECT stage_e_snapshot()")["memory"]
+                return m["slot_pages"], m["slot_pages_free"]
+
+            assert memory() == (256, 256)
+            assert one(s, "SELECT stage_e_try_slot('small', 4)") == 0
+            assert one(s, "SELECT stage_e_try_slot('big0', 1024)") == 0
+            assert memory() == (256, 127)  # 1 page and 128; no 128 contiguous pages are left
+            for cap, n in [("big1", 1024), ("small", 1024)]:
+                with pytest.raises(errors.ConfigurationLimitExceeded) as err:
+                    t.execute("SELECT stage_e_try_slot(%s, %s)", (cap, n))
+                d = err.value.diag
+                assert d.sqlstate == "53400"
+                assert d.message_primary == (
+                    f'stage_e_slots has no room for {n} slots of cap "{cap}"')
+                assert "stage_e_slots.slot_memory" in d.message_detail
+                assert "stage_e_slots.slot_memory" in d.message_hint
+                assert one(t, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                              "AND pid = pg_backend_pid()") == 0
+                assert memory() == (256, 127)
+            assert [r[0] for r in s.execute("SELECT cap FROM stage_e_stats() ORDER BY cap")
+                    ] == ["big0", "small"]
+            # The cap that could not grow is as it was: its holder keeps slot 0, n = 4 works.
+            assert cap_locks(s, "small") == [(0, s.info.backend_pid)]
+            assert one(t, "SELECT stage_e_try_slot('small', 4)") == 1
+            # big0 idle (released, its counts in its row): its block serves big1.
+            assert one(s, "SELECT stage_e_release('big0', 0)") is True
+            s.execute("SELECT stage_e_flush()")
+            assert one(t, "SELECT stage_e_try_slot('big1', 1024)") == 0
+            assert memory() == (256, 127)
+            assert one(s, "SELECT stage_e_release_all()") == 1
+            assert one(t, "SELECT stage_e_release_all()") == 2
+    finally:
+        c.destroy()
+
+
 def _try(conn, cap):
     try:
         return one(conn, "SELECT stage_e_try_slot(%s, 1)", (cap,))

@@ -4,7 +4,7 @@ import psycopg
 import pytest
 from psycopg import errors
 
-from conftest import KEY, one, slot_lock_holders, stats
+from conftest import KEY, extension_calls, one, slot_lock_holders, stats
 from pgcluster import Cluster, bindir, wait_for
 
 BAD_CALLS = [
@@ -63,30 +63,33 @@ def not_preloaded():
     c.destroy()
 
 
-@pytest.mark.parametrize("call", [
-    "SELECT stage_e_try_slot(8)", "SELECT stage_e_release(0)", "SELECT stage_e_release_all()",
-    "SELECT stage_e_holding(0)", "SELECT * FROM stage_e_stats()",
-    "SELECT * FROM stage_e_slot_holders", "SELECT * FROM stage_e_slot_holders_internal()",
-    "SELECT * FROM stage_e_flush()", "SELECT stage_e_reset_stats()",
-    "SELECT * FROM stage_e_pending()", "SELECT stage_e_snapshot()",
-    "SELECT * FROM stage_e_throttle_totals",
-    "SELECT stage_e_try_slot('default', 8, '1 s')", "SELECT stage_e_try_slots('c', 8, 2)",
-    "SELECT * FROM stage_e_slot_waiters", "SELECT * FROM stage_e_cap_load",
-    "SELECT * FROM stage_e_histograms()", "SELECT * FROM stage_e_histogram_quantiles",
-    "SELECT stage_e_adapt('c', 1, 4)", "SELECT stage_e_adapt_off('c')",
-    "SELECT * FROM stage_e_cap_limits",
-    "SELECT stage_e_cap_key('c')", "SELECT stage_e_lease('c', 8, '1 s')",
-    "SELECT stage_e_renew('c', 0, 1, '1 s')", "SELECT stage_e_release_lease('c', 0, 1)",
-    "SELECT stage_e_slot_token('c', 0)",
+def assert_not_preloaded_error(c, call):
+    with pytest.raises(errors.ObjectNotInPrerequisiteState) as err:
+        c.execute(call)
+    assert "shared_preload_libraries" in err.value.diag.message_primary, call
+    assert "shared_preload_libraries = 'stage_e_slots'" in err.value.diag.message_hint, call
+    # And nothing was locked behind the error.
+    assert one(c, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0, call
+
+
+@pytest.mark.parametrize("view", [
+    "stage_e_slot_holders", "stage_e_throttle_totals", "stage_e_slot_waiters",
+    "stage_e_cap_load", "stage_e_histogram_quantiles", "stage_e_cap_limits",
+    "stage_e_held_back",
 ])
-def test_not_preloaded_every_function_errors_with_a_hint(not_preloaded, call):
+def test_not_preloaded_every_view_errors_with_a_hint(not_preloaded, view):
     with not_preloaded.connect() as c:
-        with pytest.raises(errors.ObjectNotInPrerequisiteState) as err:
-            c.execute(call)
-        assert "shared_preload_libraries" in err.value.diag.message_primary
-        assert "shared_preload_libraries = 'stage_e_slots'" in err.value.diag.message_hint
-        # And nothing was locked behind the error.
-        assert one(c, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
+        assert_not_preloaded_error(c, f"SELECT * FROM {view}")
+
+
+def test_not_preloaded_every_function_errors_with_a_hint(not_preloaded):
+    """Every function of the extension, every form (from the catalog:
+    conftest.extension_calls), reads included."""
+    with not_preloaded.connect() as c:
+        calls = extension_calls(c)
+        assert len({sig for sig, _, _ in calls}) >= 30
+        for _, _, call in calls:
+            assert_not_preloaded_error(c, f"SELECT * FROM {call}")
 
 
 def test_custom_key_and_bounds_are_honoured():
@@ -137,17 +140,19 @@ def test_hot_standby_refuses_slots_and_reports_what_is_true_there():
         standby.start_as_standby_of(primary)
         with standby.connect() as s:
             wait_for(lambda: one(s, "SELECT pg_is_in_recovery()"), what="standby in recovery")
-            for call in ["SELECT stage_e_try_slot(8)", "SELECT stage_e_release(0)",
-                         "SELECT stage_e_release_all()", "SELECT stage_e_holding(0)",
-                         "SELECT stage_e_flush()", "SELECT stage_e_reset_stats()",
-                         "SELECT stage_e_lease('c', 8, '1 s')",
-                         "SELECT stage_e_renew('c', 0, 1, '1 s')",
-                         "SELECT stage_e_release_lease('c', 0, 1)",
-                         "SELECT stage_e_adapt('c', 1, 4)", "SELECT stage_e_adapt_off('c')"]:
+            # Every function of the extension, every form (from the catalog): those that act
+            # are refused, those that read work and show what is true here.
+            acts = 0
+            for _, kind, call in extension_calls(s):
+                if kind == "reads":
+                    s.execute(f"SELECT * FROM {call}").fetchall()
+                    continue
+                acts += 1
                 with pytest.raises(errors.ReadOnlySqlTransaction) as err:
-                    s.execute(call)
-                assert "standby" in err.value.diag.message_primary
-                assert "primary" in err.value.diag.message_hint
+                    s.execute(f"SELECT * FROM {call}")
+                assert "standby" in err.value.diag.message_primary, call
+                assert "primary" in err.value.diag.message_hint, call
+            assert acts >= 20
             assert one(s, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == 0
             # What is true on the standby: the settings, the replicated row, nothing held or
             # pending here.

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from psycopg import errors
 
-from conftest import KEY, one, slot_lock_holders, stats
+from conftest import KEY, extension_calls, one, slot_lock_holders, stats
 from pgcluster import Cluster, bindir, wait_for
 
 COLS = ["acquired", "throttled", "released", "foreign_releases", "released_by_exit"]
@@ -150,37 +150,32 @@ def test_a_database_owner_cannot_escalate_through_the_background_flusher(hc, own
     assert_not_escalated(hc)
 
 
-READ_AND_WRITE_CALLS = [
-    "SELECT public.stage_e_try_slot(1)",
-    "SELECT public.stage_e_try_slot(1)",
-    "SELECT * FROM public.stage_e_flush()",
-    "SELECT public.stage_e_snapshot()",
-    "SELECT * FROM public.stage_e_pending()",
-    "SELECT * FROM public.stage_e_pending(0)",
-    "SELECT * FROM public.stage_e_stats()",
+# The views (every function of the extension is called too, from the catalog).
+VIEW_READS = [
     "SELECT * FROM public.stage_e_throttle_totals",
     "SELECT * FROM public.stage_e_slot_holders",
     "SELECT * FROM public.stage_e_slot_waiters",
     "SELECT * FROM public.stage_e_cap_load",
-    "SELECT * FROM public.stage_e_histograms()",
     "SELECT * FROM public.stage_e_histogram_quantiles",
-    "SELECT public.stage_e_adapt('k', 1, 2)",
     "SELECT * FROM public.stage_e_cap_limits",
-    "SELECT public.stage_e_adapt_off('k')",
-    "SELECT public.stage_e_try_slot('default', 1, '10 ms')",
-    "SELECT public.stage_e_try_slots('k', 2, 2, '10 ms')",
-    "SELECT public.stage_e_holding(0)",
-    "SELECT public.stage_e_release(0)",
-    "SELECT public.stage_e_release(3)",
-    "SELECT public.stage_e_release_all()",
-    "SELECT public.stage_e_reset_stats()",
+    "SELECT * FROM public.stage_e_held_back",
 ]
 
 
 def test_a_superuser_with_a_hostile_search_path_runs_none_of_its_objects(hc, owned_db):
+    """Every function of the extension (every form, from the catalog: conftest.extension_calls)
+    and every view, called by a superuser whose search_path puts the planted objects first."""
     with hc.connect(owned_db) as su:
+        # The session starts with the database's planted search_path: the test's own catalog
+        # query runs with pg_catalog alone (it qualifies its operators too).
+        su.execute("SET search_path = pg_catalog")
+        calls = [f"SELECT * FROM {call}" for _, _, call in extension_calls(su)]
+        # Then default's row written by an explicit flush: a throttle (this session holds slot
+        # 0 of default from the calls above) and a flush.
+        calls += VIEW_READS + ["SELECT public.stage_e_try_slot(1)",
+                               "SELECT * FROM public.stage_e_flush()"]
         su.execute("SET search_path = evil, pg_catalog")
-        for call in READ_AND_WRITE_CALLS:
+        for call in calls:
             su.execute(call)
             # Our pinned search_path never leaks into the caller's session.
             assert one(su, "SHOW search_path") == "evil, pg_catalog", call
@@ -192,6 +187,10 @@ def test_a_superuser_with_a_hostile_search_path_runs_none_of_its_objects(hc, own
         assert one(su, "SELECT count(*) FROM public.stage_e_throttle_counter "
                        "WHERE cap OPERATOR(pg_catalog.<>) ALL ('{default,k}'::text[])") == 0
         assert one(su, "SELECT count(*) FROM evil.stage_e_throttle_counter") == 0
+        # The lease the calls took is the extension's (its horizon written by the flusher in
+        # this database, under the planted search_path).
+        assert one(su, "SELECT count(*) FROM public.stage_e_slot_holders "
+                       "WHERE cap OPERATOR(pg_catalog.=) 'k' AND token IS NOT NULL") == 2
     assert_not_escalated(hc)
 
 
@@ -449,32 +448,48 @@ def test_reading_releasing_and_flushing_take_no_cap(small):
 
 # -- parallel workers ----------------------------------------------------------------------------
 
-PARALLEL_WRAPPERS = {
-    "par_try": ("n integer", "integer", "stage_e_try_slot(n)", "par_try(4)"),
-    "par_release": ("s integer", "boolean", "stage_e_release(s)", "par_release(0)"),
-    "par_release_all": ("", "integer", "stage_e_release_all()", "par_release_all()"),
-    "par_holding": ("s integer", "boolean", "stage_e_holding(s)", "par_holding(0)"),
-}
-
-
-@pytest.mark.parametrize("name", list(PARALLEL_WRAPPERS))
-def test_slot_functions_refuse_to_run_in_parallel_mode(cluster, connect, name):
-    args, ret, body, call = PARALLEL_WRAPPERS[name]
+def test_every_function_refuses_to_act_in_parallel_mode_and_reads_work_there(cluster, connect):
+    """Every function of the extension (from the catalog), each in a PL/pgSQL wrapper wrongly
+    marked PARALLEL SAFE and run by a parallel worker (debug_parallel_query): those that act on
+    slots, leases, policies or counts raise 25000 and take nothing; those that read work there.
+    Outside parallel mode every wrapper works."""
     c, observer = connect(), connect("observer")
-    c.execute(f"CREATE FUNCTION {name}({args}) RETURNS {ret} LANGUAGE plpgsql PARALLEL SAFE "
-              f"AS $$ BEGIN RETURN {body}; END $$")
     major = int(one(c, "SHOW server_version_num")) // 10000
-    c.execute("SET debug_parallel_query = on" if major >= 16 else "SET force_parallel_mode = on")
-    plan = "\n".join(r[0] for r in c.execute(f"EXPLAIN (VERBOSE) SELECT {call}").fetchall())
-    assert "Gather" in plan and "Single Copy: true" in plan, plan
-    with pytest.raises(errors.InvalidTransactionState) as err:
-        c.execute(f"SELECT {call}")
-    assert "parallel operation" in err.value.diag.message_primary
-    assert "PARALLEL SAFE" in err.value.diag.message_hint
-    assert slot_lock_holders(observer) == []
-    # Outside parallel mode the same wrapper works.
-    c.execute("RESET debug_parallel_query" if major >= 16 else "RESET force_parallel_mode")
-    c.execute(f"SELECT {call}")
+    force = "debug_parallel_query" if major >= 16 else "force_parallel_mode"
+    wrappers = []
+    for i, (sig, kind, call) in enumerate(extension_calls(c)):
+        name = f"par_{i}"
+        c.execute(f"CREATE FUNCTION {name}() RETURNS bigint LANGUAGE plpgsql PARALLEL SAFE "
+                  f"AS $$ BEGIN RETURN (SELECT count(*) FROM {call} AS f); END $$")
+        wrappers.append((name, kind, call))
+    c.execute(f"SET {force} = on")
+    wrong = []
+    for name, kind, call in wrappers:
+        plan = "\n".join(r[0] for r in c.execute(f"EXPLAIN (VERBOSE) SELECT {name}()").fetchall())
+        assert "Gather" in plan and "Single Copy: true" in plan, (call, plan)
+        try:
+            c.execute(f"SELECT {name}()")
+            got = "works"
+        except errors.InvalidTransactionState as e:
+            assert "parallel operation" in e.diag.message_primary, call
+            assert "PARALLEL SAFE" in e.diag.message_hint, call
+            got = "refused"
+        if got != {"acts": "refused", "reads": "works"}[kind]:
+            wrong.append((call, kind, got))
+        # Nothing was taken behind a refusal: no lock, no lease.
+        assert slot_lock_holders(observer) == [] and cap_locks_of(observer, "k") == [], call
+        assert one(observer, "SELECT count(*) FROM stage_e_slot_holders") == 0, call
+    assert wrong == []
+    # Outside parallel mode the same wrappers work.
+    c.execute(f"RESET {force}")
+    for name, _, call in wrappers:
+        c.execute(f"SELECT {name}()")
+
+
+def cap_locks_of(conn, cap):
+    return conn.execute("SELECT objid::int, pid FROM pg_locks WHERE locktype = 'advisory' "
+                        "AND classid = stage_e_cap_key(%s)::oid AND objsubid = 2", (cap,)
+                        ).fetchall()
 
 
 # -- privileges --------------------------------------------------------------------------------

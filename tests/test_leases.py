@@ -145,17 +145,22 @@ def freed_by(text, cap, *tokens):
     return by if all(t in by for t in tokens) else None
 
 
-def hammer_until_free(conn, cap, n, timeout=30):
+def hammer_until_free(conn, cap, n, timeout=30, starts=None):
     """Tries stage_e_try_slot(cap, n) every 20 ms until it gives a slot. Returns the slot, the
-    server clock right after the successful try, and the server clocks of the failed ones."""
+    server clock right after the successful try, and the server clocks of the failed ones
+    (right after each). With a list `starts`, appends to it the start of each failed try's
+    statement (no clock the try reads is earlier)."""
     failed = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        slot, at = conn.execute("SELECT stage_e_try_slot(%s, %s::int), clock_timestamp()",
-                                (cap, n)).fetchone()
+        began, slot, at = conn.execute(
+            "SELECT statement_timestamp(), stage_e_try_slot(%s, %s::int), clock_timestamp()",
+            (cap, n)).fetchone()
         if slot is not None:
             return slot, at, failed
         failed.append(at)
+        if starts is not None:
+            starts.append(began)
         time.sleep(0.02)  # the polling pace, not a synchronisation
     raise AssertionError(f"no slot of cap {cap} within {timeout}s")
 
@@ -318,10 +323,13 @@ def test_a_lease_outlives_its_session_and_comes_back_only_after_its_ttl(cluster,
     acquired = min(h["acquired_at"] for h in rows)
     # Every try before the expiry is throttled (among them, tries at 1 s and later: the slots
     # are still unavailable then), and the first one to succeed comes after the expiry.
-    slot, at, failed = hammer_until_free(prober, "surv", 2)
+    starts = []
+    slot, at, failed = hammer_until_free(prober, "surv", 2, starts=starts)
     assert at >= first_expiry, f"a lease was freed {first_expiry - at} before its expiry"
     assert any(f >= acquired + timedelta(seconds=1) for f in failed)
-    assert all(f < first_expiry + timedelta(seconds=1) for f in failed)
+    # And none after it: a try that began once the first lease had expired frees it and gets
+    # its slot (the try that would otherwise be throttled sweeps first).
+    assert all(b < first_expiry for b in starts), (first_expiry, starts[-3:])
     second, _, _ = hammer_until_free(prober, "surv", 2)
     assert {slot, second} == {0, 1}
     wait_for(lambda: stats(observer, "surv")["expired"] == 2, timeout=5, what="2 expiries")
@@ -528,7 +536,9 @@ def test_the_background_worker_frees_an_expired_lease_with_no_acquisition(fast):
         assert (int(m["by"]), int(m["slot"]), int(m["token"]), int(m["pid"])) == (
             launcher, slot, token, taker_pid)
         assert float(m["held"]) >= 0.5  # not before its expiry
-        assert float(m["past"]) < 1.0  # a sweep every 100 ms, not every 5 s
+        # The README's bound for the background worker: within 5 s (here it sweeps every
+        # flush_interval, 100 ms; a tighter bound would measure this machine's scheduling).
+        assert float(m["past"]) < 5.0, m["past"]
         # The background flush carries it to the counter table too.
         wait_for(lambda: one(observer, "SELECT expired FROM stage_e_throttle_counter "
                                        "WHERE cap = 'bg'") == 1, timeout=10,
@@ -538,29 +548,41 @@ def test_the_background_worker_frees_an_expired_lease_with_no_acquisition(fast):
 
 
 @pytest.mark.parametrize("kind", ["lease", "session"])
-def test_a_waiter_gets_an_expired_leases_slot_soon_after_the_ttl_not_before(connect, kind):
+def test_a_waiter_frees_an_expired_leases_slot_itself_after_the_ttl_not_before(
+        cluster, connect, kind):
+    """The launcher is paused, so only the waiter can free the expired lease: it does (the
+    expiry's LOG line names it), by its own look after the ttl, and takes the slot while the
+    launcher is still stopped; without that look it would wait out its 30 s."""
     holder, observer = connect("holder"), connect("observer")
     waiter = connect("waiter")
-    _, old = lease(holder, "q", 1, "1 s")
-    expires = holders(observer, "q")[0]["expires_at"]
-    started = time.monotonic()
-    query = ("SELECT slot, token FROM stage_e_lease('q', 1, '30 s', '5 s')" if kind == "lease"
-             else "SELECT stage_e_try_slot('q', 1, '5 s')")
-    w = Call(waiter, query)
-    queued(observer, w.pid, "q")
-    w.wait(10)
-    assert w.error is None and w.row[0] == 0
-    # Soon after the 1 s ttl: waiters look every 100 ms (the launcher only every 5 s here).
-    assert w.returned_at - started < 2.0
-    [h] = holders(observer, "q")
-    assert h["pid"] == w.pid
-    assert h["acquired_at"] >= expires, "the waiter got the slot before the lease expired"
+    with launcher_paused(observer, cover=("q", 1)):
+        since = len(cluster.log_text())
+        _, old = lease(holder, "q", 1, "1 s")
+        expires = holders(observer, "q")[0]["expires_at"]
+        # (A ttl within the cover's horizon: no new horizon the paused launcher must write.)
+        query = ("SELECT slot, token FROM stage_e_lease('q', 1, '5 s', '30 s')"
+                 if kind == "lease" else "SELECT stage_e_try_slot('q', 1, '30 s')")
+        w = Call(waiter, query)
+        queued(observer, w.pid, "q")
+        w.wait(40)
+        assert w.error is None and w.row[0] == 0
+        [h] = holders(observer, "q")
+        assert h["pid"] == w.pid
+        assert h["acquired_at"] >= expires, "the waiter got the slot before the lease expired"
+        [m] = wait_for(lambda: expiry_lines(cluster.log_text()[since:], "q"), timeout=5,
+                       what="the expiry LOG line")
+        assert (int(m["by"]), int(m["token"])) == (w.pid, old)
+        # The claim is a look every 100 ms; 5 s is generous on this 2-core machine and far
+        # below the 30 s the waiter would otherwise wait (bench/latency_bounds.py measures it).
+        assert float(m["past"]) < 5.0, m["past"]
     if kind == "lease":
         assert h["token"] == w.row[1] > old
     else:
         assert slot_token(waiter, "q", 0) > old
     s = stats(observer, "q")
-    assert (s["expired"], s["waits"], s["wait_timeouts"], s["acquired"]) == (1, 1, 0, 2)
+    # (The cover's lease is one more acquisition, and its release.)
+    assert (s["expired"], s["waits"], s["wait_timeouts"], s["acquired"], s["released"]) == (
+        1, 1, 0, 3, 1)
 
 
 def test_a_waiting_lease_is_woken_by_a_release_lease(connect):
@@ -573,7 +595,10 @@ def test_a_waiting_lease_is_woken_by_a_release_lease(connect):
     assert release_lease(releaser, "wake", slot, token) is True
     w.wait(10)
     assert w.error is None and w.row[0] == 0 and w.row[1] > token
-    assert w.returned_at - released < 1.0  # woken, not waiting out its 30 s
+    # Woken, not waiting out its 30 s: 5 s is generous on this 2-core machine. (A bound that
+    # told a wake-up from the waiter's own look every 100 ms would measure scheduling here:
+    # bench/latency_bounds.py and the wake latency rows of make bench measure that.)
+    assert w.returned_at - released < 5.0
     assert [r[:3] for r in lease_rows(observer, "wake")] == [(0, w.pid, w.row[1])]
     assert one(observer, "SELECT count(*) FROM stage_e_slot_waiters") == 0
 
@@ -730,11 +755,12 @@ def test_max_leases_exhaustion_refuses_and_takes_nothing():
             assert all(s is not None for v in taken.values() for s, _ in v)
             rows = {cap: lease_rows(a, cap) for cap in ["m0", "m1", "m2", "m3"]}
             before = stats(a, "m0")
-            for wait in [None, "5 s"]:
+            for wait in [None, "30 s"]:
                 started = time.monotonic()
                 with pytest.raises(errors.ConfigurationLimitExceeded) as err:
                     lease(a, "m0", 4, "1 h", wait)
-                assert time.monotonic() - started < 2.0  # refused at once, not after the wait
+                # Refused at once, not after the wait: 10 s is generous here, a third of it.
+                assert time.monotonic() - started < 10.0
                 diag = err.value.diag
                 assert diag.sqlstate == "53400"
                 assert "stage_e_slots.max_leases" in diag.message_hint

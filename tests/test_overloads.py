@@ -8,9 +8,11 @@ functions with a form without `cap` are the ones the README's Functions section 
 import re
 from pathlib import Path
 
+import pytest
+
 from psycopg import errors
 
-from conftest import one
+from conftest import FUNCTION_SAMPLES, extension_calls, extension_signatures, one
 
 # The extension's functions: name, argument types, how many have defaults.
 FUNCTIONS = """
@@ -167,3 +169,76 @@ def test_the_forms_without_cap_act_on_default_or_on_every_cap(connect):
     assert c.execute(totals).fetchall() == [("default", 2, 2), ("exports", 1, 1)]
     c.execute("SELECT stage_e_reset_stats()")
     assert c.execute(totals).fetchall() == [("default", 0, 0), ("exports", 0, 0)]
+
+
+def test_every_function_of_the_catalog_has_a_sample_and_a_kind(connect):
+    """conftest.FUNCTION_SAMPLES, which the every-function tests (hostile search_path, parallel
+    mode, standby, not preloaded) draw their calls from, has exactly the catalog's functions:
+    none missing, none stale, each "acts" or "reads". Among the calls: every form of the
+    functions the README's table names."""
+    c = connect()
+    assert sorted(FUNCTION_SAMPLES) == extension_signatures(c)
+    assert {kind for kind, _ in FUNCTION_SAMPLES.values()} == {"acts", "reads"}
+    names = {sig.split("(")[0] for sig in FUNCTION_SAMPLES}
+    table = README.read_text().split("\n### Functions\n", 1)[1].split("\n### ", 1)[0]
+    documented = set(re.findall(r"^\| `(stage_e_\w+)\(", table, re.M))
+    assert len(documented) >= 20 and documented <= names, documented - names
+    called = [call for _, _, call in extension_calls(c)]
+    # The wait forms, the lease functions, try_slots, reset_stats(cap), adapt with and
+    # without its default: one call each, from the catalog.
+    for call in ["public.stage_e_try_slot('k', 2, '10 ms')", "public.stage_e_try_slots('k', 2, 2)",
+                 "public.stage_e_try_slots('k', 2, 2, '10 ms')",
+                 "public.stage_e_lease('k', 2, '1 min')",
+                 "public.stage_e_lease('k', 2, '1 min', '10 ms')",
+                 "public.stage_e_renew('k', 0, 1, '1 s')", "public.stage_e_release_lease('k', 0, 1)",
+                 "public.stage_e_slot_token('k', 0)", "public.stage_e_reset_stats('k')",
+                 "public.stage_e_adapt('k', 1, 2)", "public.stage_e_adapt('k', 1, 2, true)",
+                 "public.stage_e_pending()", "public.stage_e_pending(0)"]:
+        assert call in called, call
+    assert len(called) == len(set(called))
+
+
+def test_a_function_added_to_the_extension_without_a_sample_is_not_forgotten(connect):
+    """The point of generating the lists: a function that joins the extension (here added by
+    hand, as a new version's script would) makes every every-function test fail until it has a
+    sample, instead of going untested."""
+    c = connect()
+    c.execute("CREATE FUNCTION public.stage_e_new_thing(cap text, n integer) RETURNS integer "
+              "LANGUAGE sql AS 'SELECT 1'")
+    c.execute("ALTER EXTENSION stage_e_slots ADD FUNCTION public.stage_e_new_thing(text, integer)")
+    try:
+        with pytest.raises(AssertionError, match=r"stage_e_new_thing\(text, integer\)"):
+            extension_calls(c)
+    finally:
+        c.execute("ALTER EXTENSION stage_e_slots DROP FUNCTION "
+                  "public.stage_e_new_thing(text, integer)")
+        c.execute("DROP FUNCTION public.stage_e_new_thing(text, integer)")
+    assert {sig for sig, _, _ in extension_calls(c)} == set(FUNCTION_SAMPLES)  # whole again
+
+
+def _reference():
+    """The README's Reference section (functions, views and table, settings)."""
+    return README.read_text().split("\n## Reference\n", 1)[1].split("\n## Monitoring\n", 1)[0]
+
+
+def test_the_readme_reference_documents_every_function_view_and_setting(connect):
+    """From the catalog, not from a list: every function, view and table of the extension and
+    every stage_e_slots.* setting has a row in the README's Reference tables (a new object
+    fails this until it is documented there)."""
+    c = connect()
+    reference = _reference()
+    rows = {line.split("|")[1] for line in reference.splitlines() if line.startswith("| `")}
+    documented = " ".join(rows)
+    functions = {sig.split("(")[0] for sig in extension_signatures(c)}
+    relations = {r[0] for r in c.execute(
+        "SELECT c.relname FROM pg_depend d JOIN pg_class c ON c.oid = d.objid "
+        "AND d.classid = 'pg_class'::regclass JOIN pg_extension e ON e.oid = d.refobjid "
+        "AND e.extname = 'stage_e_slots' WHERE d.deptype = 'e' AND c.relkind IN ('v', 'r')")}
+    settings = {r[0] for r in c.execute(
+        "SELECT name FROM pg_settings WHERE name LIKE 'stage\\_e\\_slots.%'")}
+    assert functions and relations and settings
+    missing = sorted(f for f in functions if f"`{f}(" not in documented)
+    missing += sorted(r for r in relations if f"`{r}`" not in documented
+                      and f"`{r} " not in documented)
+    missing += sorted(s for s in settings if f"`{s}`" not in documented)
+    assert missing == [], f"not in the README's Reference tables: {missing}"

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -323,7 +324,7 @@ HOLDER = """
 import sys
 import psycopg
 conn = psycopg.connect(sys.argv[1], autocommit=True, prepare_threshold=None)
-row = conn.execute(sys.argv[2], (sys.argv[3], 1, "2 s")).fetchone()
+row = conn.execute(sys.argv[2], (sys.argv[3], 1, "6 s")).fetchone()
 print(*row, flush=True)
 sys.stdin.read()
 """
@@ -346,7 +347,6 @@ def test_a_lease_outlives_its_crashed_holder_until_its_ttl_and_no_longer(cluster
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = holder.stdout.readline().split()
         assert len(line) == 3, f"the holder printed {line!r}"
-        taken = time.monotonic()
         slot, token, pid_lease = (int(x) for x in line)
         assert slot == 0
         ((h_slot, h_pid, h_token, acquired_at, expires_at),) = lease_holders(direct, cap)
@@ -360,17 +360,20 @@ def test_a_lease_outlives_its_crashed_holder_until_its_ttl_and_no_longer(cluster
         wait_for(lambda: one(direct, "SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
                              (pid_lease,)) == 0, what="the lease's backend to exit")
 
-        # Wait until about half the 2 s TTL has passed: long enough that the backend's exit
-        # hook has run and the launcher may have swept, so what we see is the lease surviving
-        # both, not a check made before they could act; short of the TTL, so the slot must
-        # still be held. (Only a very slow machine could make this check late: then the lease
-        # below would have expired, which the assertion's message shows.)
-        time.sleep(max(0.0, taken + 1.0 - time.monotonic()))
+        # The backend is gone, so its exit hooks have run. Then until a second of the 6 s TTL
+        # has passed on the server's clock (polled): what we see is the lease surviving the
+        # exit, not a check made before anything could act, with 5 s to spare before the TTL,
+        # so the slot must still be held (the check below says when it was made).
+        wait_for(lambda: one(direct, "SELECT clock_timestamp()") >= acquired_at
+                 + timedelta(seconds=1), timeout=10, what="a second of the lease to pass")
         other = bouncer.connect(db, application_name="other")
         nulls = 0
         row = other.execute(LEASE, (cap, 1, "2 s")).fetchone()
+        checked_at = one(direct, "SELECT clock_timestamp()")
         assert row[:2] == (None, None), (
-            f"the slot was free {time.monotonic() - taken:.3f} s after the lease")
+            f"the slot was free {(checked_at - acquired_at).total_seconds():.3f} s after the "
+            f"lease (expires_at {expires_at})")
+        assert checked_at < expires_at  # the check was made while the lease was live
         nulls += 1
         assert lease_holders(direct, cap) == [(0, pid_lease, token, acquired_at, expires_at)]
         mid = stats(direct, cap)
@@ -527,13 +530,17 @@ def test_expired_leases_are_freed_while_the_freed_slot_is_leased_again(cluster, 
             threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in conns]
             for t in threads:
                 t.start()
-            time.sleep(1.0)
+            time.sleep(1.0)  # the churn's length (each round gives the race its chances)
             stop.set()
             for t in threads:
                 t.join(timeout=60)
             assert not [t for t in threads if t.is_alive()], "a client did not stop in 60 s"
             assert errors == []
-            time.sleep(0.05)  # 50 times the last lease's TTL
+            # Every lease of the round past its expiry (polled on the server's clock).
+            wait_for(lambda: one(direct, "SELECT coalesce(bool_and(expires_at < "
+                                         "clock_timestamp()), true) FROM stage_e_slot_holders "
+                                         "WHERE cap = %s", (cap,)),
+                     timeout=10, what="the round's last lease to expire")
             got = direct.execute("SELECT * FROM stage_e_lease(%s, 1, '30 s')",
                                  (cap,)).fetchone()
             if got[0] is None:

@@ -12,7 +12,8 @@ from conftest import KEY, one, slot_lock_holders
 from pgcluster import Cluster, wait_for
 
 # Every object of the extension, described without OIDs: functions (arguments, result,
-# volatility, parallel safety, strictness, C symbol, privileges, comment), tables and views
+# volatility, parallel safety, strictness, SECURITY DEFINER, SET options, C symbol, privileges,
+# comment), tables and views
 # (columns, defaults, constraints, indexes, definition, privileges, comment) and the tables
 # pg_dump keeps the data of.
 DESCRIBE = r"""
@@ -24,6 +25,7 @@ members AS (SELECT d.classid, d.objid FROM pg_depend d, ext
 SELECT 'function ' || p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ') '
        || pg_get_function_arguments(p.oid) || ' -> ' || pg_get_function_result(p.oid)
        || ' ' || p.provolatile::text || p.proparallel::text || p.proisstrict::text
+       || ' secdef=' || p.prosecdef::text || ' config=' || coalesce(p.proconfig::text, '-')
        || ' ' || p.prosrc || ' acl=' || coalesce(p.proacl::text, '-')
        || ' comment=' || coalesce(obj_description(p.oid, 'pg_proc'), '-')
   FROM members m JOIN pg_proc p ON m.classid = 'pg_proc'::regclass AND p.oid = m.objid
@@ -633,3 +635,41 @@ def test_the_readmes_package_names_carry_the_version_of_cargo_toml():
                        (ROOT / "README.md").read_text())
     assert len(names) >= 4, names  # the .deb twice, the tarball, its folder
     assert set(names) == {CURRENT}
+
+
+SECURITY_DEFINERS = """
+SELECT p.oid::regprocedure::text, p.prosecdef, p.proconfig
+  FROM pg_depend d
+  JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'stage_e_slots'
+  JOIN pg_proc p ON p.oid = d.objid AND d.classid = 'pg_proc'::regclass
+ WHERE d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e'
+   AND (p.prosecdef OR p.proconfig IS NOT NULL)
+ ORDER BY 1
+"""
+
+
+def test_no_version_has_a_security_definer_function_and_the_comparison_sees_one(uc):
+    """The README: "There are no `SECURITY DEFINER` functions." None at any version (a
+    database not yet updated runs its version's functions), none with SET options either (the
+    pinned search_path is set by the statements the extension runs, not by function options).
+    And the schema comparison of the update tests sees the difference: a fresh install with one
+    function made SECURITY DEFINER (or given a SET option) no longer compares equal."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "There are no `SECURITY DEFINER` functions." in readme
+    for version in update_chain():
+        db = "secdef_" + version.replace(".", "_")
+        uc.create_database(db, extension=False)
+        uc.sql(f"CREATE EXTENSION stage_e_slots VERSION '{version}'", dbname=db)
+        assert uc.sql(SECURITY_DEFINERS, dbname=db) == [], version
+    uc.create_database("secdef_fresh")
+    uc.create_database("secdef_altered")
+    assert describe(uc, "secdef_altered") == describe(uc, "secdef_fresh")
+    uc.sql("ALTER FUNCTION stage_e_cap_key(text) SECURITY DEFINER", dbname="secdef_altered")
+    assert uc.sql(SECURITY_DEFINERS, dbname="secdef_altered") == [
+        ("stage_e_cap_key(text)", True, None)]
+    assert describe(uc, "secdef_altered") != describe(uc, "secdef_fresh")
+    uc.sql("ALTER FUNCTION stage_e_cap_key(text) SECURITY INVOKER", dbname="secdef_altered")
+    assert describe(uc, "secdef_altered") == describe(uc, "secdef_fresh")
+    uc.sql("ALTER FUNCTION stage_e_cap_key(text) SET search_path = public",
+           dbname="secdef_altered")
+    assert describe(uc, "secdef_altered") != describe(uc, "secdef_fresh")

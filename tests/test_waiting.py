@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -333,18 +334,38 @@ def test_waiting_never_admits_more_than_n(connect):
 
 
 def test_wait_and_hold_times_reach_the_rows_totals_and_snapshot(connect):
-    holder, c = connect("holder"), connect()
+    holder, c, observer = connect("holder"), connect(), connect("observer")
     assert one(holder, "SELECT stage_e_try_slot('m', 1)") == 0
     w = Waiter(c, "SELECT stage_e_try_slot('m', 1, '30 s')")
-    time.sleep(0.4)
-    assert one(holder, "SELECT stage_e_release('m', 0)") is True
+    queued(observer, w, "m", 1)
+    # Polled, not slept: the waiter has been in the queue for 0.3 s (the view's own clock).
+    wait_for(lambda: one(observer, "SELECT waiting_for FROM stage_e_slot_waiters WHERE pid = %s",
+                         (w.pid,)) >= timedelta(seconds=0.3),
+             timeout=10, what="the waiter to have waited 0.3 s")
+    since = one(observer, "SELECT waiting_since FROM stage_e_slot_waiters WHERE pid = %s",
+                (w.pid,))
+    held_from = one(observer, "SELECT acquired_at FROM stage_e_slot_holders WHERE pid = %s",
+                    (holder.info.backend_pid,))
+    released, released_at = holder.execute(
+        "SELECT stage_e_release('m', 0), statement_timestamp()").fetchone()
+    assert released is True
     assert w.wait().result == 0
-    time.sleep(0.2)
-    assert one(c, "SELECT stage_e_release('m', 0)") is True
+    got_at = one(observer, "SELECT acquired_at FROM stage_e_slot_holders WHERE pid = %s",
+                 (w.pid,))
+    assert since < released_at <= got_at
+    # The waiter's hold lasts 0.2 s at least: polled on the server's clock, not slept.
+    wait_for(lambda: one(observer, "SELECT clock_timestamp()") >= got_at + timedelta(seconds=0.2),
+             timeout=10, what="0.2 s of the waiter's hold")
+    done, done_at = c.execute("SELECT stage_e_release('m', 0), statement_timestamp()").fetchone()
+    assert done is True
     s = stats(c, "m")
-    assert s["waits"] == 1 and s["wait_time"].total_seconds() >= 0.3
-    # Two holds: the holder's (at least the 0.4 s the waiter waited) and the waiter's (0.2 s).
-    assert s["hold_time"].total_seconds() >= 0.5
+    # Waited from joining the queue until it had the slot, after the release.
+    assert s["waits"] == 1 and s["wait_time"] >= released_at - since
+    assert s["wait_time"] >= timedelta(seconds=0.3)
+    # Two holds: the holder's, from its statement's start to its release statement's start,
+    # and the waiter's, from the moment it got the slot to its release statement's start.
+    assert s["hold_time"] == (released_at - held_from) + (done_at - got_at)
+    assert s["hold_time"] >= timedelta(seconds=0.5)
     holder.execute("SELECT stage_e_flush()")
     row = holder.execute("SELECT waits, wait_timeouts, wait_time, hold_time FROM "
                          "stage_e_throttle_counter WHERE cap = 'm'").fetchone()
