@@ -18,7 +18,8 @@ install_base_scripts = $(SUDO) install -m 644 $(BASE_SCRIPTS) \
 export PG_CONFIG
 
 .PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
-        test-integration test-isolation test-monitoring lint clean package test-package
+        test-integration test-isolation test-monitoring test-python lint clean package \
+        test-package wheel
 
 deps:
 	@scripts/install-deps.sh $(PG) $(PG_CONFIG)
@@ -38,15 +39,17 @@ demo: install
 
 ## The incident replayed with Django + django-q2, then fixed with the dedicated-connection helper.
 demo-django: install
+	.venv/bin/pip install --quiet --disable-pip-version-check "./python[django]"
 	.venv/bin/python scripts/demo_django.py
 
-## Throughput against the peers in bench/ (about 5 minutes); writes bench/results/.
+## Throughput against the peers in bench/ (about 20 minutes); writes bench/results/.
 bench: install
 	.venv/bin/python bench/run.py
 
 ## Everything, on PostgreSQL $(PG): slot-search and counter unit tests, in-server tests,
-## multi-session tests on real clusters, the Python helper and the Django replay.
-test: deps test-monitoring test-unit test-pg test-integration test-isolation
+## multi-session tests on real clusters, and the Python package (its wheel, installed) with
+## the Django replay and the task queues.
+test: deps test-monitoring test-unit test-pg test-integration test-isolation test-python
 
 ## The whole suite on every supported major.
 test-all:
@@ -63,7 +66,25 @@ test-pg:
 	RUST_TEST_THREADS=1 cargo pgrx test $(PG_FEATURE) --runas postgres --pgdata $(PGDATA_TEST)
 
 test-integration: install-dev
-	.venv/bin/python -m pytest tests -v -s -p no:cacheprovider
+	.venv/bin/python -m pytest tests -v -s -p no:cacheprovider --ignore=tests/python
+
+# The Python package (python/, distribution stage-e-slots) as its users get it: the wheel built
+# from python/, installed with its django extra into a venv made afresh each run, and
+# tests/python run by that venv's interpreter (tests/python/conftest.py refuses to run against
+# the source tree). The test requirements (pytest, django-q2, Celery) come from
+# tests/python/requirements.txt.
+PKG_VENV ?= /tmp/stage_e_slots/pkg-venv-$(PG)
+PKG_DIST ?= /tmp/stage_e_slots/pkg-dist-$(PG)
+test-python: install-dev
+	rm -rf $(PKG_DIST) && .venv/bin/python -m build --outdir $(PKG_DIST) python > /dev/null
+	python3 -m venv --clear $(PKG_VENV)
+	$(PKG_VENV)/bin/pip install --quiet --disable-pip-version-check \
+	  "$$(ls $(PKG_DIST)/stage_e_slots-*.whl)[django]" -r tests/python/requirements.txt
+	$(PKG_VENV)/bin/python -m pytest tests/python -v -s -p no:cacheprovider
+
+## The Python package's wheel and sdist, into dist/.
+wheel: deps
+	.venv/bin/python -m build --outdir dist python
 
 # Multi-session interleavings (tests/isolation/specs) with pg_isolation_regress on a temporary,
 # preloaded instance, run as the postgres OS user (initdb refuses root).
@@ -94,7 +115,7 @@ test-monitoring: deps
 
 ## Release artifacts in dist/ (scripts/package.sh): a .tar.gz for the PostgreSQL that PG_CONFIG
 ## names and, for Debian's PostgreSQL, postgresql-$(PG)-stage-e-slots_<version>_amd64.deb.
-package: deps
+package: deps wheel
 	scripts/package.sh $(PG_CONFIG)
 
 ## Installs the 15 .deb and the 15 and 18 tarballs, runs them, then puts the previous files back.
@@ -104,6 +125,8 @@ test-package:
 	.venv/bin/python -m pytest packaging -v -p no:cacheprovider
 
 lint: deps
+	.venv/bin/ruff check --config python/pyproject.toml python tests/python
+	cd python && ../.venv/bin/mypy --strict src/stage_e_slots
 	cargo fmt --all --check
 	cargo clippy -p stage_e_core --all-targets -- -D warnings
 	PGRX_PG_CONFIG_PATH=$(PG_CONFIG) cargo clippy $(CARGO_FEATURES) --all-targets -- -D warnings

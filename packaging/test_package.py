@@ -17,6 +17,7 @@ import sys
 import tarfile
 import tempfile
 import tomllib
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -261,3 +262,34 @@ def test_tarball_installs_with_its_own_commands(major, tmp_path):
         for path in installed:
             path.unlink()
         assert ours(pkglibdir, extdir) == []
+
+
+def test_python_wheel_and_sdist(tmp_path):
+    """`make package` also builds the Python package: a wheel and an sdist named for this
+    version (the package's __version__ is the extension's), the wheel carrying the type marker
+    and the Django app's migrations and management command, installable into a fresh venv
+    where it imports at that version without the source tree."""
+    wheel = DIST / f"stage_e_slots-{VERSION}-py3-none-any.whl"
+    sdist = DIST / f"stage_e_slots-{VERSION}.tar.gz"
+    assert wheel.is_file() and sdist.is_file(), sorted(p.name for p in DIST.iterdir())
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        meta = z.read(f"stage_e_slots-{VERSION}.dist-info/METADATA").decode()
+    for member in ("stage_e_slots/__init__.py", "stage_e_slots/py.typed", "stage_e_slots/aio.py",
+                   "stage_e_slots/django/apps.py",
+                   "stage_e_slots/django/migrations/__init__.py",
+                   "stage_e_slots/django/management/commands/stage_e_status.py"):
+        assert member in names, member
+    assert "Name: stage-e-slots" in meta and f"Version: {VERSION}" in meta
+    assert "Requires-Dist: psycopg" in meta and "Provides-Extra: django" in meta
+    with tarfile.open(sdist) as t:
+        assert f"stage_e_slots-{VERSION}/pyproject.toml" in t.getnames()
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", str(venv))
+    run(str(venv / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check",
+        str(wheel))
+    out = run(str(venv / "bin" / "python"), "-c",
+              "import stage_e_slots, stage_e_slots.aio; "
+              "print(stage_e_slots.__version__, stage_e_slots.__file__)", cwd=str(tmp_path))
+    version, path = out.split()
+    assert version == VERSION and str(venv) in path

@@ -88,7 +88,9 @@ def main():
              admin.execute("SELECT cap, pid, position, wait_event_type "
                            "FROM stage_e_slot_waiters"))
         exporter.execute("SELECT stage_e_release('exports', 0)")
-        t.join()
+        t.join(timeout=15)  # its wait is 10 s: still running after 15 is a hang
+        if t.is_alive():
+            raise SystemExit("the waiter did not return within 15 s")
         print(f"  exporter releases; export-waiter's stage_e_try_slot('exports', 1, '10 s') "
               f"returns slot {got_export[0]} after {time.monotonic() - started:.2f} s, woken by "
               "the release")

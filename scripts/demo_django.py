@@ -1,6 +1,11 @@
-"""`make demo-django`: the incident replayed with Django + django-q2, then the fix."""
+"""`make demo-django`: the incident replayed with Django + django-q2, then the fix.
 
+The demo project (examples/django) uses the stage_e_slots package's Django app: it must be
+installed for this interpreter, with its django extra (pip install "./python[django]")."""
+
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,15 +13,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pgcluster import Cluster  # noqa: E402
 
-RUNNER = Path(__file__).resolve().parent.parent / "examples" / "django" / "run_incident.py"
+PROJECT = Path(__file__).resolve().parent.parent / "examples" / "django"
+RUNNER = PROJECT / "run_incident.py"
 
 TITLES = {
     "shared": "1. The original bug: the slot held on django.db.connection",
-    "dedicated": "2. The fix: the slot held on the helper's dedicated connection",
+    "dedicated": "2. The fix: the slot held on stage_e_slots' dedicated connection",
 }
 
 
+def system_check(cluster, mode):
+    """What `manage.py check` says of the mode's settings (stage_e_slots.W001 for the bug)."""
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="capdemo.settings", CAPDEMO_MODE=mode,
+               CAPDEMO_PGHOST=str(cluster.base), CAPDEMO_PGPORT=str(cluster.port),
+               CAPDEMO_PGDATABASE="capdemo")
+    out = subprocess.run([sys.executable, str(PROJECT / "manage.py"), "check"], env=env,
+                         cwd=PROJECT, capture_output=True, text=True, check=False)
+    # A warning's first clause is enough here (the whole text and its hint: run the check).
+    return [line.split(", so any")[0].lstrip("?: ") for line in (out.stdout + out.stderr)
+            .splitlines() if line.startswith("?: (stage_e_slots.") or "no issues" in line]
+
+
 def main():
+    if importlib.util.find_spec("stage_e_slots") is None:
+        raise SystemExit(f"the stage_e_slots package is not installed for {sys.executable}: "
+                         f"{sys.executable} -m pip install './python[django]'")
     cluster = Cluster("demo-django", {"stage_e_slots.flush_interval": "'1s'"}).init().start()
     try:
         cluster.create_database("capdemo")
@@ -29,6 +50,8 @@ def main():
                 raise SystemExit(out.stdout + out.stderr)
             s = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"\n== {TITLES[mode]}")
+            for line in system_check(cluster, mode):
+                print(f"  manage.py check: {line.strip()}")
             print(f"  dispatches ran / throttled (as the workers logged): "
                   f"{s['ran']} / {s['throttled_logged_by_workers']}")
             print(f"  throttles counted by stage_e_slots:               "

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs what building, testing and demonstrating stage_e_slots needs, skipping what is there:
 # Debian packages (PostgreSQL 15 and its headers, clang for bindgen, sudo for pgrx's --runas,
-# pgbouncer for the pooler tests, gdb to pause a worker in one lease test), cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major
-# in use, and a Python venv with psycopg, pytest, pytest-timeout, matplotlib, Django and django-q2. Where the
+# pgbouncer for the pooler tests, gdb to pause a worker in one lease test, redis-server as the
+# Celery broker of tests/python/test_task_queues.py), cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major
+# in use, and a Python venv with psycopg, pytest, pytest-timeout, matplotlib, Django, django-q2, and
+# build, mypy, django-stubs and ruff for the Python package (python/). Where the
 # driver matrix runs (tests/test_drivers.py: PostgreSQL 15, or STAGE_E_DRIVER_TESTS=1), also the
 # drivers: Debian's ruby-pg, Go with pgx v4 (Debian's packaged Go modules: the Go module proxy
 # is not used), a JDK and the PostgreSQL JDBC driver, npm when there is none, node-postgres
@@ -22,7 +24,8 @@ MAJOR=${1:-15}
 PG15_CONFIG=/usr/lib/postgresql/15/bin/pg_config
 PG_CONFIG=${2:-$PG15_CONFIG}
 PGRX_VERSION=0.18.1
-PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3-venv pgbouncer gdb)
+PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3-venv pgbouncer gdb
+          redis-server)
 # The driver matrix runs on one major (the CI time budget): 15, unless STAGE_E_DRIVER_TESTS=1.
 DRIVERS=0
 if [ "$MAJOR" = 15 ] || [ "${STAGE_E_DRIVER_TESTS:-}" = 1 ]; then
@@ -79,6 +82,13 @@ fi
 if ((${#missing[@]})); then
   echo "==> apt-get install ${missing[*]}"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  if [[ " ${missing[*]} " == *" redis-server "* ]]; then
+    # Likewise Debian's redis-server service (port 6379): the Celery test starts its own.
+    echo "==> stopping and disabling the redis-server service the package started"
+    systemctl disable redis-server >/dev/null 2>&1 || true
+    update-rc.d redis-server disable >/dev/null 2>&1 || true
+    service redis-server stop >/dev/null 2>&1 || true
+  fi
   if [[ " ${missing[*]} " == *" pgbouncer "* ]]; then
     # Debian's package starts a system pgbouncer on port 6432 and enables it at boot; the tests
     # start their own (scripts/pgbouncer.py), so stop and disable the one we just installed.
@@ -154,8 +164,8 @@ if ! grep -qs "pg$MAJOR = \"$PG_CONFIG\"" "$config"; then
   cargo pgrx init "${args[@]}" >/dev/null
 fi
 
-if [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -c 'import psycopg, pytest, pytest_timeout, matplotlib, django, django_q, asyncpg, psycopg2' 2>/dev/null; then
-  echo "==> python venv (.venv) with psycopg, pytest, pytest-timeout, matplotlib, Django, django-q2, asyncpg and psycopg2"
+if [ ! -x .venv/bin/pytest ] || [ ! -x .venv/bin/ruff ] || ! .venv/bin/python -c 'import psycopg, pytest, pytest_timeout, matplotlib, django, django_q, asyncpg, psycopg2, build, mypy, django_stubs_ext' 2>/dev/null; then
+  echo "==> python venv (.venv) with psycopg, pytest, pytest-timeout, matplotlib, Django, django-q2, asyncpg, psycopg2, and build, mypy, django-stubs and ruff for the Python package"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
 fi

@@ -1,7 +1,8 @@
 """Replays the incident against a database with stage_e_slots, in one of three modes:
 
   shared     the slot is held on django.db.connection (the original bug)
-  dedicated  the slot is held through examples/python/stage_e_slot.py (the fix)
+  dedicated  the slot is held through stage_e_slots.django.stage_e_slot, on a dedicated
+             connection (the fix; the package must be installed: pip install ./python)
   lease      a lease (0.4.0) is taken on django.db.connection, through a PgBouncer in
              transaction mode that this runner starts in front of the cluster
              (scripts/pgbouncer.py) and points Django's DATABASES at; the lease's cap is named
@@ -116,7 +117,8 @@ def replay(mode, host, port, dbname, tasks, bouncer):
     # Django (the workers, the enqueue, the migrations) goes through the pooler if there is
     # one; the observer always connects to the cluster itself.
     env = dict(os.environ, DJANGO_SETTINGS_MODULE="capdemo.settings", CAPDEMO_PGHOST=host,
-               CAPDEMO_PGPORT=port, CAPDEMO_PGDATABASE=dbname, PYTHONUNBUFFERED="1")
+               CAPDEMO_PGPORT=port, CAPDEMO_PGDATABASE=dbname, CAPDEMO_MODE=mode,
+               PYTHONUNBUFFERED="1")
     if bouncer is not None:
         env.update(CAPDEMO_PGHOST="127.0.0.1", CAPDEMO_PGPORT=str(bouncer.port),
                    CAPDEMO_POOLER=bouncer.pool_mode)
@@ -167,7 +169,9 @@ def replay(mode, host, port, dbname, tasks, bouncer):
         elapsed = time.monotonic() - started
     finally:
         stop.set()
-        sampler.join()
+        sampler.join(timeout=10)  # it polls every few ms: a sampler still running is a hang
+        if sampler.is_alive():
+            raise SystemExit("the pg_locks sampler did not stop within 10 s")
         os.killpg(cluster.pid, signal.SIGTERM)
         try:
             cluster.wait(timeout=5)

@@ -1,14 +1,10 @@
 """A minimal Django project replaying the incident: django-q2 with its ORM broker and Django's
-default CONN_MAX_AGE = 0, and Django admin showing the extension's counter rows (read-only).
-The database comes from the environment (run_incident.py and check_admin.py set it)."""
+default CONN_MAX_AGE = 0, the stage_e_slots package's Django app (pip install
+"stage-e-slots[django]") and Django admin showing the extension's counter rows (read-only).
+The database comes from the environment (run_incident.py and check_admin.py set it), and so
+does the replay's mode (CAPDEMO_MODE: shared, dedicated or lease; run_incident.py sets it)."""
 
 import os
-import sys
-from pathlib import Path
-
-BASE_DIR = Path(__file__).resolve().parent.parent
-# The dedicated-connection helper lives in examples/python.
-sys.path.insert(0, str(BASE_DIR.parent / "python"))
 
 SECRET_KEY = "stage-e-slots-example-not-secret"
 DEBUG = False
@@ -16,7 +12,7 @@ ALLOWED_HOSTS = ["localhost", "127.0.0.1"]
 USE_TZ = True
 TIME_ZONE = "UTC"
 INSTALLED_APPS = [
-    # Django admin, where the extension's counter rows are shown (stage_e_counters).
+    # Django admin, where the extension's counter rows are shown (stage_e_slots.django).
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -25,7 +21,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_q",
     "dispatch",
-    "stage_e_counters",
+    "stage_e_slots.django",
 ]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -74,9 +70,15 @@ if os.environ.get("CAPDEMO_POOLER") == "transaction":
     DATABASES["default"]["OPTIONS"] = {"prepare_threshold": None}
     DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 
-# The DSN the dedicated-connection helper uses: the same database, its own connection.
-STAGE_E_DSN = (f"host={os.environ['CAPDEMO_PGHOST']} port={os.environ['CAPDEMO_PGPORT']} "
-               f"dbname={os.environ['CAPDEMO_PGDATABASE']} user=postgres")
+# The dedicated mode's slots (stage_e_slots.django.stage_e_slot) are held on a connection of
+# their own to DATABASES["default"]'s database: no STAGE_E_SLOTS_DSN is needed for that.
+#
+# The shared mode replays the bug: its dispatch holds the slot on django.db.connection with raw
+# SQL. This setting declares that configuration to stage_e_slots (it would hold session slots
+# on that connection), so that `manage.py check` flags it: stage_e_slots.W001, the slot lives
+# on a connection Django closes (CONN_MAX_AGE = 0).
+if os.environ.get("CAPDEMO_MODE") == "shared":
+    STAGE_E_SLOTS_SESSION_CONNECTION = "default"
 STAGE_E_CAP = 7
 # Lease mode: the cap the leases are taken of (a named cap of its own), and their ttl, far
 # longer than a region (about 0.15 s): a lease here ends by its release, never by expiry.
@@ -98,5 +100,5 @@ Q_CLUSTER = {
 LOGGING = {
     "version": 1,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"stage_e_slot": {"handlers": ["console"], "level": "WARNING"}},
+    "loggers": {"stage_e_slots": {"handlers": ["console"], "level": "WARNING"}},
 }

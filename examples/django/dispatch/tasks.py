@@ -5,8 +5,8 @@ import time
 
 from django.conf import settings
 from django.db import connection
-
-from stage_e_slot import stage_e_lease, stage_e_slot
+from stage_e_slots import stage_e_lease
+from stage_e_slots.django import stage_e_slot
 
 from .models import Evidence, Outcome
 
@@ -62,8 +62,9 @@ def _dispatch_on_django_connection(batch):
 
 
 def _dispatch_on_dedicated_connection(batch):
-    """The fix: the helper holds the slot on a connection nothing else touches."""
-    with stage_e_slot(settings.STAGE_E_DSN, n=settings.STAGE_E_CAP) as slot:
+    """The fix: stage_e_slots holds the slot on a connection of its own, to the same database,
+    that nothing else touches."""
+    with stage_e_slot("default", settings.STAGE_E_CAP) as slot:
         if slot is None:
             _log(batch, "dedicated", None)
             return "throttled"

@@ -1,4 +1,5 @@
-"""End-to-end replay of the incident with Django and django-q2 (examples/django).
+"""End-to-end replay of the incident with Django and django-q2 (examples/django, which uses
+the installed package: stage_e_slots.django in INSTALLED_APPS, its stage_e_slot for the fix).
 
 The README's table of the two session-slot modes, figure by figure: what follows from the
 mechanism is asserted exactly (every dispatch ran or was throttled; in the shared mode all 8
@@ -20,13 +21,14 @@ from pathlib import Path
 
 import pytest
 
-RUNNER = Path(__file__).resolve().parent.parent / "examples" / "django" / "run_incident.py"
+RUNNER = Path(__file__).resolve().parents[2] / "examples" / "django" / "run_incident.py"
 CAP = 7
 
 
 def replay(cluster, db, mode):
     out = subprocess.run([sys.executable, str(RUNNER), mode, str(cluster.base),
-                          str(cluster.port), db], capture_output=True, text=True, timeout=150)
+                          str(cluster.port), db], capture_output=True, text=True, timeout=150,
+                         check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\n{mode}: {json.dumps(summary)}")
@@ -72,9 +74,11 @@ def test_incident_replay(cluster, db, mode):
         assert s["expired"] == 0
         assert s["acquired"] == s["released"] == s["ran"]
         assert s["throttled_counted_by_extension"] == s["throttled_logged_by_workers"]
+        # Only this replay's cap: leases other tests left to their ttl expire in this log too.
+        ours = "\n".join(line for line in log.splitlines() if 'cap "dispatch"' in line)
         for said in ("was not held by this connection", "exited holding slot(s)",
                      "is not the current lease", "expired"):
-            assert said not in log
+            assert said not in ours
     else:
         # The fix: the cap binds (a client-side measure: regions in progress at once), no two
         # workers ever believed they held one slot at the same time, and every throttle the

@@ -1,0 +1,127 @@
+"""``stage_e_slots.django.stage_e_slot``: a slot for a region of Django code.
+
+By default the slot is held on the dedicated connection of ``stage_e_slots.stage_e_slot`` (the
+DSN from ``conf.dsn()``): Django never sees that connection, so nothing Django does mid-region
+(``close_old_connections()``, a request's end, an error) can free the slot.
+
+With ``STAGE_E_SLOTS_SESSION_CONNECTION = "<alias>"`` it is held on that Django connection
+itself, which is the incident's configuration: when Django closes that connection mid-region
+the slot goes with it and the cap stops binding. This module cannot prevent that, but it makes
+it loud: the region remembers the driver connection its slot was taken on, and a release that
+finds Django has closed or replaced it logs an ERROR and returns False, without running
+``stage_e_release`` on the new session (where it would be a foreign release). The system check
+stage_e_slots.W001 warns about the configuration before it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from django.db import DatabaseError as DjangoDatabaseError
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from .._slots import DEFAULT_CAP, SlotConnection, Wait, log
+from .._slots import stage_e_slot as _dedicated_slot
+from .conf import dsn, session_connection_alias
+
+
+class SessionSlotConnection(SlotConnection):
+    """A SlotConnection on a Django connection (``django.db.connections[alias]``) instead of a
+    connection of its own: the slots are session locks of whatever psycopg connection Django
+    has open for that alias when they are taken.
+
+    Make one per region: it remembers the driver connection its slots were taken on, and
+    counts them lost once Django has closed or replaced that connection, without releasing
+    anything on Django's new session. Statements run on the driver connection directly (so
+    psycopg's errors reach SlotConnection's fail-closed handling, not Django's wrappers), in
+    Django's current transaction if one is open; session locks outlive its rollback. Needs
+    Django's psycopg 3 backend (psycopg2 connections are refused with a TypeError)."""
+
+    def __init__(self, alias: str = "default") -> None:
+        super().__init__(f"django connection {alias!r}")
+        self.alias = alias
+
+    def _wrapper(self) -> BaseDatabaseWrapper:
+        return connections[self.alias]
+
+    def _replaced(self) -> bool:
+        """Whether Django no longer has the connection our slots were taken on open (it
+        closed it, and maybe opened another since)."""
+        return self._conn is not None and self._wrapper().connection is not self._conn
+
+    def _usable(self) -> bool:
+        return super()._usable() and not self._replaced()
+
+    def _connection(self) -> psycopg.Connection:
+        if self._conn is not None and not self._usable():
+            self._drop()
+        if self._conn is None:
+            wrapper = self._wrapper()
+            try:
+                wrapper.ensure_connection()
+            except DjangoDatabaseError as e:
+                # SlotConnection treats psycopg's OperationalError as "unreachable: throttled".
+                raise psycopg.OperationalError(
+                    f"Django's connection {self.alias!r} cannot be opened: {e}") from e
+            raw = wrapper.connection
+            if not isinstance(raw, psycopg.Connection):
+                raise TypeError(
+                    f"STAGE_E_SLOTS_SESSION_CONNECTION = {self.alias!r} needs Django's psycopg 3 "
+                    f"backend, but that connection is a {type(raw).__module__}."
+                    f"{type(raw).__name__}; install psycopg 3 (Django then prefers it) or "
+                    "unset the setting to use a dedicated connection")
+            self._conn = raw
+            self._pid = os.getpid()
+        return self._conn
+
+    def _drop(self) -> None:
+        # Django owns the connection. Close it (through Django, so that Django opens a fresh
+        # one next time) only while it is still Django's current one: that frees its slots, as
+        # SlotConnection's fail-safe wants; a connection Django already replaced is closed, and
+        # the new one holds none of our slots.
+        conn, self._conn = self._conn, None
+        self._held.clear()
+        if conn is not None and self._pid == os.getpid() and self._wrapper().connection is conn:
+            with contextlib.suppress(Exception):  # already broken: nothing more to do
+                self._wrapper().close()
+
+    def release(self, slot: int, *, cap: str = DEFAULT_CAP) -> bool:
+        if self._replaced() and self._pid == os.getpid():
+            # Not released on the new session: there it would be a foreign release (counted,
+            # warned about), and the slot is free anyway, freed when its session closed.
+            wrapper = self._wrapper()
+            log.error("stage_e_slots: slot %s of cap %r was lost: Django closed its connection "
+                      "%r during the region (with CONN_MAX_AGE = %r, any close_old_connections() "
+                      "does, as django-q2's ORM broker does on enqueue), and the slot went with "
+                      "that session, so the cap did not bind for this region. Not released on "
+                      "Django's new session. Fix: unset STAGE_E_SLOTS_SESSION_CONNECTION (a "
+                      "dedicated connection, STAGE_E_SLOTS_DSN) or take a lease", slot, cap,
+                      self.alias, wrapper.settings_dict.get("CONN_MAX_AGE", 0))
+            self._held.get(cap, set()).discard(slot)
+            return False
+        return super().release(slot, cap=cap)
+
+
+@contextmanager
+def stage_e_slot(cap: str, n: int, *, wait: Wait = 0, k: int = 1) -> Iterator[Any]:
+    """``with stage_e_slot("exports", 4) as slot:`` one of the 4 slots of the cap ``exports``
+    (None when throttled), released on exit; ``wait=`` (seconds or a timedelta) waits that
+    long for one, ``k=3`` takes three at once (a list).
+
+    Held on the dedicated connection for ``conf.dsn()`` (settings.STAGE_E_SLOTS_DSN, else
+    DATABASES["default"] reached on a connection of its own), or, with
+    STAGE_E_SLOTS_SESSION_CONNECTION set, on that Django connection, where a slot whose
+    connection Django closed mid-region is reported lost (an ERROR in the log) at the exit."""
+    alias = session_connection_alias()
+    if alias is None:
+        with _dedicated_slot(dsn(), cap, n=n, wait=wait, k=k) as slot:
+            yield slot
+        return
+    with SessionSlotConnection(alias).slot(n, cap=cap, wait=wait, k=k) as slot:
+        yield slot
