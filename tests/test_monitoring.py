@@ -57,6 +57,11 @@ GAUGES = {"stage_e_slots_held": "held", "stage_e_slots_n": "n",
 LOAD = ["held_1m", "held_5m", "held_15m",
         "throttled_per_min_1m", "throttled_per_min_5m", "throttled_per_min_15m"]
 HISTOGRAMS = {"stage_e_slots_hold_seconds": "hold", "stage_e_slots_wait_seconds": "wait"}
+ADAPTIVE = {"stage_e_slots_adaptive_limit": "limit",  # metric: stage_e_cap_limits column
+            "stage_e_slots_adaptive_min_slots": "min_slots",
+            "stage_e_slots_adaptive_max_slots": "max_slots"}
+ADAPTIVE_SECONDS = {"stage_e_slots_adaptive_baseline_hold_seconds": "baseline_hold",
+                    "stage_e_slots_adaptive_recent_hold_seconds": "recent_hold"}
 MAIN_PANELS = ["Held vs n", "Throttle rate", "Wait time p50 / p99", "Hold time p50 / p99"]
 FLOAT_TOLERANCE = 1e-6  # seconds: the exporter prints float8s in full
 
@@ -160,8 +165,12 @@ def snapshot(conn):
                              or r["hold_time"] > timedelta(0))
     interval = one(conn, "SELECT setting::float8 / 1000 FROM pg_settings "
                          "WHERE name = 'stage_e_slots.flush_interval' AND unit = 'ms'")
+    limits = {r["cap"]: r for r in rows(
+        conn, 'SELECT cap, "limit", min_slots, max_slots, enforce, baseline_hold, recent_hold '
+              "FROM stage_e_cap_limits")}
     stable = {"stats": stats_rows, "hist": hist, "flushed": flushed, "pending": pending,
-              "waiters": {c: r["n"] for c, r in waiting.items()}, "interval": interval}
+              "waiters": {c: r["n"] for c, r in waiting.items()}, "interval": interval,
+              "limits": limits}
     age = {}
     for cap, (_, any_pending) in pending.items():
         last = max(t for t in (flushed.get(cap, {}).get("flushed_at"), start) if t)
@@ -315,6 +324,10 @@ def test_exporter_serves_every_documented_metric_equal_to_sql(cluster, db, sessi
                                                                processes):
     documented = documented_metrics()
     holder, other = make_traffic(cluster, db, sessions)
+    # exports adaptive, in monitor mode (its n still binds, so the figures below hold).
+    holder.execute("SELECT stage_e_adapt('exports', 1, 2, false)")
+    wait_for(lambda: one(other, "SELECT count(*) FROM stage_e_cap_limits") == 1, timeout=10,
+             what="the policy in stage_e_cap_limits")
     # exports full, with a session waiting for it; reports full, with one count pending.
     assert take(holder, "exports", CAPS["exports"]) == CAPS["exports"] - 1
     assert take(holder, "reports", CAPS["reports"]) == CAPS["reports"] - 1
@@ -396,6 +409,21 @@ def test_exporter_serves_every_documented_metric_equal_to_sql(cluster, db, sessi
         assert got.value("stage_e_slots_flush_interval_seconds", **lab) == sql["interval"]
         between(got.value("stage_e_slots_flush_age_seconds", **lab),
                 moving_before["age"][cap], moving_after["age"][cap], f"flush age of {cap}")
+    # The adaptive cap's policy and what it learned, as stage_e_cap_limits says.
+    assert set(sql["limits"]) == {"exports"}
+    limits, lab = sql["limits"]["exports"], {**base, "cap": "exports"}
+    for name, column in ADAPTIVE.items():
+        assert got.value(name, **lab) == limits[column], (name, limits[column])
+    assert limits["min_slots"] == 1 and limits["max_slots"] == 2 and limits["enforce"] is False
+    assert got.value("stage_e_slots_adaptive_enforced", **lab) == 0
+    for name, column in ADAPTIVE_SECONDS.items():
+        value, want = got.value(name, **lab), limits[column]
+        if want is None:
+            assert math.isnan(value), (name, value)
+        else:
+            assert math.isclose(value, want.total_seconds(), abs_tol=FLOAT_TOLERANCE), name
+    assert got.series("stage_e_slots_adaptive_limit", **base, cap="reports") == []
+
     # The waiter and the throttle after the flush make these nonzero.
     assert got.value("stage_e_slots_waiters", **base, cap="exports") == 1
     assert got.value("stage_e_slots_oldest_wait_seconds", **base, cap="exports") > 0
