@@ -303,21 +303,28 @@ def _lease_statements(dsn: str) -> _DsnStatements:
     return conns[dsn]
 
 
+def _lease_failed(cap: str, e: Exception) -> None:
+    """What a lease statement's error makes of the call (sync and asyncio alike): throttled,
+    logged, when the database is unreachable or refused it with an operational error;
+    re-raised otherwise (bad arguments, the extension missing or too old: a bug, not load)."""
+    if isinstance(e, _Unreachable):
+        log.warning("stage_e_lease: treating as throttled (cap %r), cannot reach the "
+                    "database: %s", cap, e)
+    elif _is_a(e, "OperationalError"):
+        log.error("stage_e_lease: treating as throttled (cap %r), the lease statement failed "
+                  "(the server refused it, or the connection failed): %s", cap, e)
+    else:
+        raise e
+
+
 def _take_lease(statements: Any, cap: str, n: int, ttl: Ttl, wait: Wait) -> Lease | None:
     _check_cap(cap)
     delay, waiting = _as_ttl(ttl), _as_timedelta(wait)
     sent = time.monotonic()
     try:
         row = statements.row(_LEASE, (cap, n, delay, waiting))
-    except _Unreachable as e:
-        log.warning("stage_e_lease: treating as throttled (cap %r), cannot reach the "
-                    "database: %s", cap, e)
-        return None
-    except Exception as e:
-        if not _is_a(e, "OperationalError"):
-            raise  # bad arguments, the extension missing or too old: a bug, not load
-        log.error("stage_e_lease: treating as throttled (cap %r), the lease statement failed "
-                  "(the server refused it, or the connection failed): %s", cap, e)
+    except Exception as e:  # noqa: BLE001 - _lease_failed re-raises all but load
+        _lease_failed(cap, e)
         return None
     if row is None or row[0] is None:
         return None

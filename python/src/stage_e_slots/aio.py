@@ -95,6 +95,7 @@ from ._leases import (
     Ttl,
     _as_ttl,
     _is_a,
+    _lease_failed,
     _Unreachable,
 )
 from ._slots import DEFAULT_CAP, Wait, _as_timedelta, _check_cap, log
@@ -592,15 +593,8 @@ async def _take_lease(statements: _Statements, cap: str, n: int, ttl: Ttl,
     sent = time.monotonic()
     try:
         row = await statements.take(cap, n, delay, waiting)
-    except _Unreachable as e:
-        log.warning("stage_e_lease: treating as throttled (cap %r), cannot reach the "
-                    "database: %s", cap, e)
-        return None
-    except Exception as e:
-        if not _is_a(e, "OperationalError"):
-            raise  # bad arguments, the extension missing or too old: a bug, not load
-        log.error("stage_e_lease: treating as throttled (cap %r), the lease statement failed "
-                  "(the server refused it, or the connection failed): %s", cap, e)
+    except Exception as e:  # noqa: BLE001 - _lease_failed re-raises all but load
+        _lease_failed(cap, e)
         return None
     if row is None or row[0] is None:
         return None
