@@ -3,7 +3,8 @@ reclaim and re-make within one server run (the everyday path of per-tenant caps)
 only by leases is never reclaimed, however much room new caps need; a lease is not
 transactional (a rolled-back transaction keeps it, like a session slot); `SELECT
 (stage_e_lease(...)).*` runs the function once per column and takes two leases; a raw advisory
-lock on a leased slot's key is not refused.
+lock on a leased slot's key is not refused; and tokens keep growing across a clean restart,
+a backend crash and a kill -9 of the postmaster.
 
 (Also README claims about leases tested elsewhere: a clean restart keeps every lease exactly,
 tests/test_lifecycle.py::test_a_clean_restart_keeps_every_lease_exactly; a dropped database's
@@ -11,13 +12,16 @@ leases are freed by the launcher, tests/test_hardening_shares.py::
 test_a_dropped_databases_leases_are_freed.)
 """
 
+import os
+import signal
 import time
 
+import psycopg
 import pytest
 from psycopg import errors
 
 from conftest import cap_locks, one, stats
-from pgcluster import Cluster
+from pgcluster import Cluster, children_of, proc_state, wait_for
 from test_leases import holders, lease, lease_rows, release_lease, slot_token
 
 MAX_CAPS = 16
@@ -91,10 +95,12 @@ def test_tokens_keep_growing_across_a_caps_reclaim_and_remake(few, fdb):
         s.execute("SELECT stage_e_flush()")
         assert one(s, "SELECT stage_e_try_slot('tenant:0', 1)") == 0
         assert "tenant:0" in caps_in_use(s)
-        # Made again: its counts start over (its row kept the earlier ones), its key is its own.
+        # Made again: its counts start over (its row kept the earlier ones: the totals, row
+        # plus pending, count all three, whether or not a requested flush round has run since),
+        # its key is its own.
         assert (stats(s, "tenant:0")["acquired"], stats(s, "tenant:0")["released"]) == (1, 0)
-        assert one(s, "SELECT acquired FROM stage_e_throttle_counter "
-                      "WHERE cap = 'tenant:0'") == 2
+        assert one(s, "SELECT acquired FROM stage_e_throttle_totals "
+                      "WHERE cap = 'tenant:0'") == 3
         assert one(s, "SELECT stage_e_cap_key('tenant:0')") == key
         again = slot_token(s, "tenant:0", 0)
         assert again > max(seen), (again, seen)
@@ -217,3 +223,67 @@ def test_a_raw_advisory_lock_on_a_leased_slot_is_not_refused(connect):
     assert lease(observer, "rawl", 1, "1 min") == (None, None)
     assert one(raw, "SELECT pg_advisory_unlock(stage_e_cap_key('rawl'), 0)") is True
     assert one(observer, "SELECT stage_e_try_slot('rawl', 1)") == 0
+
+
+def test_tokens_increase_across_a_clean_restart_and_crashes():
+    c = Cluster("lease_tokens", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
+
+    def take():
+        """A session slot and a lease of cap fence: their tokens (session slot first). The
+        lease is given back, so that a crash has nothing to hold the cap back for."""
+        with c.connect("app") as s:
+            slot = one(s, "SELECT stage_e_try_slot('fence', 8)")
+            got = [slot_token(s, "fence", slot), lease(s, "fence", 8, "1 h")]
+            assert release_lease(s, "fence", got[1][0], got[1][1]) is True
+        got[1] = got[1][1]
+        assert got[0] < got[1], got
+        return got
+
+    def quiet():
+        """The cap's durable horizon has come down to the present (no lease for 2 s)."""
+        with c.connect("app") as s:
+            wait_for(lambda: one(s, "SELECT horizon <= now() FROM stage_e_lease_horizon "
+                                    "WHERE cap = 'fence'"),
+                     timeout=30, interval=0.2, what="the cap's horizon to come down")
+
+    def accepting():
+        try:
+            with c.connect("app") as s:
+                return one(s, "SELECT NOT pg_is_in_recovery()")
+        except psycopg.OperationalError:
+            return False
+
+    try:
+        c.create_database("app")
+        rounds = [take(), take()]
+        c.stop("fast")
+        c.start()
+        rounds.append(take())  # after a clean restart
+
+        quiet()
+        since = len(c.log_text())
+        victim = c.connect("app", "victim")
+        os.kill(victim.info.backend_pid, signal.SIGKILL)  # a backend crash: crash recovery
+        wait_for(lambda: "all server processes terminated; reinitializing" in
+                 c.log_text()[since:], timeout=30, what="the crash restart")
+        victim.close()
+        wait_for(accepting, timeout=60, interval=0.2, what="the server after the crash")
+        rounds.append(take())
+
+        quiet()
+        postmaster = int((c.data / "postmaster.pid").read_text().split()[0])
+        family = [postmaster] + children_of(postmaster)
+        os.kill(postmaster, signal.SIGKILL)  # the postmaster itself
+        # Gone, not just zombies: the new postmaster refuses a lock file whose pid exists.
+        wait_for(lambda: all(proc_state(p) is None for p in family), timeout=60,
+                 interval=0.1, what="the orphaned server processes to exit and be reaped")
+        since = len(c.log_text())
+        c.start()
+        assert "not properly shut down" in c.log_text()[since:]
+        wait_for(accepting, timeout=60, interval=0.2, what="the server after the kill -9")
+        rounds.append(take())
+
+        tokens = [t for r in rounds for t in r]
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), rounds
+    finally:
+        c.destroy()
