@@ -2,15 +2,16 @@
 the installed package: stage_e_slots.django in INSTALLED_APPS, its stage_e_slot for the fix).
 
 The README's table of the two session-slot modes, figure by figure: what follows from the
-mechanism is asserted exactly (every dispatch ran or was throttled; in the shared mode all 8
-workers in capped regions at once, and every region that ran lost its slot with its
+mechanism is asserted exactly (every dispatch ran or was throttled; in the shared mode regions
+that believed they held one slot ran at once, and every region that ran lost its slot with its
 connection and released it on another session, so `released_by_exit` and `foreign_releases`
 equal the regions that ran, 48 when none was throttled; in the dedicated mode none of either,
 every slot released by its holder; in every mode the extension's throttle count equals the
 workers' log). What depends on scheduling is bounded only: the ran / throttled split (48 / 0
 and 35 / 13 there, from one run: the shared mode is throttled only if 7 slots are held at one
 instant, each for the few milliseconds before the broker closes its connection; the dedicated
-mode's split moves with how the workers' regions overlap), and the dedicated mode's 7 regions
+mode's split moves with how the workers' regions overlap), the shared mode's 8 regions at once
+(all 8 workers in a region at one instant: most runs, not all), and the dedicated mode's 7 regions
 at once (a throttle shows 7 slots held at one instant, but a holder may be just before its
 region's start or after its end then), so it is at most 7, with at least one throttle."""
 
@@ -46,9 +47,13 @@ def test_incident_replay(cluster, db, mode):
     assert s["acquired"] == s["released"] + s["released_by_exit"] + s["expired"]
     if mode == "shared":
         # The bug: django-q2's enqueue closed django.db.connection mid-region, so the slot went
-        # with it and the release ran on another session. The cap did not bind (more regions
-        # at once than the cap), and the extension says so, loudly.
-        assert s["max_concurrent_capped_regions"] == s["workers"] == 8 > CAP
+        # with it and the release ran on another session. The cap did not bind: regions that
+        # each believed they held the same slot ran at once (every region's slot was freed at
+        # its first enqueue, so the next worker got it again), and the extension says so,
+        # loudly. How many of the 8 workers were in a region at one instant is scheduling's:
+        # all 8 in most runs, 7 in one fresh-clone CI run; never more than the workers.
+        assert s["overlapping_regions_on_one_slot"] > 0
+        assert s["max_concurrent_capped_regions"] <= s["workers"] == 8
         assert s["acquired"] == s["ran"]
         assert s["released_by_exit"] == s["ran"]  # every region's slot went with its connection
         assert s["foreign_releases"] == s["ran"]  # and every release ran on another session
