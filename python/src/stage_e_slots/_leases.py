@@ -155,10 +155,9 @@ class _ConnectionStatements:
             cur.close()
 
 
-class Lease:
-    """A slot of ``cap`` held by ``token`` until ``ttl`` passes unless renewed, as
-    ``stage_e_lease`` yields it. ``lost`` becomes True once a renewal or the release found it
-    gone (expired, or the token no longer current)."""
+class _LeaseState:
+    """What the sync Lease and aio's AsyncLease both keep: the lease, whether it was lost, and
+    a lower bound of its expiry."""
 
     def __init__(self, statements: Any, cap: str, slot: int, token: int, ttl: timedelta,
                  sent: float) -> None:
@@ -173,7 +172,17 @@ class Lease:
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else "ended" if self._ended else "held"
-        return f"<Lease {self.cap!r} slot {self.slot} token {self.token} ({state})>"
+        return f"<{type(self).__name__} {self.cap!r} slot {self.slot} token {self.token} ({state})>"
+
+    def _mark_lost(self, reason: str) -> None:
+        if not self.lost:
+            self.lost, self.lost_reason = True, reason
+
+
+class Lease(_LeaseState):
+    """A slot of ``cap`` held by ``token`` until ``ttl`` passes unless renewed, as
+    ``stage_e_lease`` yields it. ``lost`` becomes True once a renewal or the release found it
+    gone (expired, or the token no longer current)."""
 
     def _row(self, query: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
         """Runs a statement that may run twice (a renewal, a read): after a broken connection,
@@ -186,10 +195,6 @@ class Lease:
                 raise
             row = self._st.row(query, params)
         return row
-
-    def _mark_lost(self, reason: str) -> None:
-        if not self.lost:
-            self.lost, self.lost_reason = True, reason
 
     def renew(self, ttl: Ttl | None = None) -> bool:
         """Extends the lease to ``ttl`` (default: the lease's own) from now. True when extended;

@@ -96,6 +96,7 @@ from ._leases import (
     _as_ttl,
     _is_a,
     _lease_failed,
+    _LeaseState,
     _Unreachable,
 )
 from ._slots import DEFAULT_CAP, Wait, _as_timedelta, _check_cap, log
@@ -444,24 +445,10 @@ class _AsyncConnectionStatements:
 _Statements = Any  # _AsyncDsnStatements or _AsyncConnectionStatements
 
 
-class AsyncLease:
+class AsyncLease(_LeaseState):
     """A slot of ``cap`` held by ``token`` until ``ttl`` passes unless renewed, as
     ``stage_e_lease`` yields it: the sync ``Lease``, with ``renew`` and ``still_held`` as
     coroutines. ``lost`` becomes True once a renewal or the release found it gone."""
-
-    def __init__(self, statements: _Statements, cap: str, slot: int, token: int, ttl: timedelta,
-                 sent: float) -> None:
-        self.cap, self.slot, self.token, self.ttl = cap, slot, token, ttl
-        self.lost = False
-        self.lost_reason: str | None = None
-        self._st = statements
-        # A lower bound of the server's expiry, on this process's monotonic clock.
-        self._deadline = sent + ttl.total_seconds()
-        self._ended = False
-
-    def __repr__(self) -> str:
-        state = "lost" if self.lost else "ended" if self._ended else "held"
-        return f"<AsyncLease {self.cap!r} slot {self.slot} token {self.token} ({state})>"
 
     async def _row(self, query: str, params: tuple[object, ...]) -> Row | None:
         """A statement that may run twice (a renewal, a read): after a broken connection, once
@@ -474,10 +461,6 @@ class AsyncLease:
                 raise
             row = await self._st.row(query, params)
         return row
-
-    def _mark_lost(self, reason: str) -> None:
-        if not self.lost:
-            self.lost, self.lost_reason = True, reason
 
     async def renew(self, ttl: Ttl | None = None) -> bool:
         """Extends the lease to ``ttl`` (default: its own) from now: True when extended, False
