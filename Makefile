@@ -17,6 +17,11 @@ install_base_scripts = $(SUDO) install -m 644 $(BASE_SCRIPTS) \
 
 export PG_CONFIG
 
+# Run as a phase of `make test` (PHASED=1), a target leaves deps and the install to the phases
+# of their own that ran before it.
+DEPS = $(if $(PHASED),,deps)
+INSTALL_DEV = $(if $(PHASED),,install-dev)
+
 .PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
         test-integration test-isolation test-monitoring test-python lint clean package \
         test-package wheel
@@ -29,7 +34,7 @@ install: deps
 	cargo pgrx install --release $(SUDO_FLAG) --pg-config $(PG_CONFIG)
 	$(install_base_scripts)
 
-install-dev: deps
+install-dev: $(DEPS)
 	cargo pgrx install $(SUDO_FLAG) --pg-config $(PG_CONFIG)
 	$(install_base_scripts)
 
@@ -48,8 +53,14 @@ bench: install
 
 ## Everything, on PostgreSQL $(PG): slot-search and counter unit tests, in-server tests,
 ## multi-session tests on real clusters, and the Python package (its wheel, installed) with
-## the Django replay and the task queues.
-test: deps test-monitoring test-unit test-pg test-integration test-isolation test-python
+## the Django replay and the task queues. One phase after another (the first failure stops
+## it), with the time each took printed at the end.
+TEST_PHASES = deps install-dev test-monitoring test-unit test-pg test-integration \
+              test-isolation test-python
+test:
+	@scripts/phases.sh "make test PG=$(PG)" \
+	  $(foreach t,$(TEST_PHASES),'$(MAKE) --no-print-directory $(t) PHASED=1')
+
 
 ## The whole suite on every supported major.
 test-all:
@@ -65,7 +76,7 @@ test-unit:
 test-pg:
 	RUST_TEST_THREADS=1 cargo pgrx test $(PG_FEATURE) --runas postgres --pgdata $(PGDATA_TEST)
 
-test-integration: install-dev
+test-integration: $(INSTALL_DEV)
 	.venv/bin/python -m pytest tests -v -s -p no:cacheprovider --ignore=tests/python
 
 # The Python package (python/, distribution stage-e-slots) as its users get it: the wheel built
@@ -75,7 +86,7 @@ test-integration: install-dev
 # tests/python/requirements.txt.
 PKG_VENV ?= /tmp/stage_e_slots/pkg-venv-$(PG)
 PKG_DIST ?= /tmp/stage_e_slots/pkg-dist-$(PG)
-test-python: install-dev
+test-python: $(INSTALL_DEV)
 	rm -rf $(PKG_DIST) && .venv/bin/python -m build --outdir $(PKG_DIST) python > /dev/null
 	python3 -m venv --clear $(PKG_VENV)
 	$(PKG_VENV)/bin/pip install --quiet --disable-pip-version-check \
@@ -90,7 +101,7 @@ wheel: deps
 # preloaded instance, run as the postgres OS user (initdb refuses root).
 ISOLATION_OUT ?= /tmp/stage_e_slots_isolation-$(PG)
 ISOLATION_SPECS = $(basename $(notdir $(wildcard tests/isolation/specs/*.spec)))
-test-isolation: install-dev
+test-isolation: $(INSTALL_DEV)
 	rm -rf $(ISOLATION_OUT) && mkdir -p $(ISOLATION_OUT) && cp -r tests/isolation/. $(ISOLATION_OUT)/
 	printf "shared_preload_libraries = 'stage_e_slots'\nstage_e_slots.flush_interval = '1h'\n" \
 	  > $(ISOLATION_OUT)/isolation.conf
@@ -106,7 +117,7 @@ test-isolation: install-dev
 # promtool, and every PromQL expression of the Grafana dashboard parsed by promtool, as one
 # recording rule per panel query ($cap and $db as .*, $__rate_interval as 1m). The exporter
 # and Prometheus themselves run in tests/test_monitoring.py (test-integration).
-test-monitoring: deps
+test-monitoring: $(DEPS)
 	promtool check rules monitoring/alerts.yaml
 	promtool test rules monitoring/alerts.test.yaml
 	rules=$$(mktemp --suffix=.json) && trap 'rm -f "$$rules"' EXIT && \
