@@ -12,6 +12,9 @@ from .models import Evidence, Outcome
 
 REGION_ITEMS = 3
 ITEM_SECONDS = 0.05
+# The fixed modes hold their regions until some worker has been throttled (at most this long),
+# so that the run shows the cap binding whatever the scheduling: 8 workers and a cap of 7.
+FIRST_THROTTLE_SECONDS = 10
 
 
 def follow_on(evidence_id):
@@ -19,13 +22,27 @@ def follow_on(evidence_id):
     return evidence_id
 
 
-def _region(batch):
-    """The capped work: persist evidence (each row's post_save enqueues a task)."""
+def _region(batch, until_first_throttle=None):
+    """The capped work: persist evidence (each row's post_save enqueues a task); in the fixed
+    modes, then hold the slot until the first throttle of that mode (see below)."""
     start = time.time()
     for item in range(REGION_ITEMS):
         Evidence.objects.create(batch=batch, item=item)
         time.sleep(ITEM_SECONDS)
+    if until_first_throttle is not None:
+        _until_first_throttle(until_first_throttle)
     return start, time.time()
+
+
+def _until_first_throttle(mode):
+    """Certain contention: with 8 workers and a cap of 7, the regions that hold the 7 slots
+    wait here until the 8th worker has tried and been throttled; from then on, nobody waits.
+    Without it, whether two regions ever overlap enough to throttle is scheduling's."""
+    deadline = time.monotonic() + FIRST_THROTTLE_SECONDS
+    while time.monotonic() < deadline:
+        if Outcome.objects.filter(mode=mode, outcome="throttled").exists():
+            return
+        time.sleep(0.01)
 
 
 def _log(batch, mode, slot, region=None, **extra):
@@ -68,7 +85,7 @@ def _dispatch_on_dedicated_connection(batch):
         if slot is None:
             _log(batch, "dedicated", None)
             return "throttled"
-        region = _region(batch)
+        region = _region(batch, until_first_throttle="dedicated")
     _log(batch, "dedicated", slot, region)
     return "ran"
 
@@ -84,7 +101,7 @@ def _dispatch_with_a_lease(batch):
             _log(batch, "lease", None)
             return "throttled"
         before = connection.connection  # the DB-API connection Django has open now
-        region = _region(batch)
+        region = _region(batch, until_first_throttle="lease")
         reconnected = connection.connection is not before
     _log(batch, "lease", lease.slot, region, token=lease.token, reconnected=reconnected)
     return "ran"
