@@ -19,8 +19,11 @@ OPS = {">=": lambda v, m: v >= m, "<=": lambda v, m: v <= m,
 
 def verdict(values: list[float | None], op: str, mark: float) -> str:
     """PASS when every value meets `op mark`, FAIL when none does, noisy otherwise. A None
-    value (the thing never happened) meets nothing."""
+    value (the thing never happened) meets nothing, and no value at all (no round ran) is a
+    FAIL: a target nothing measured is not met."""
     met = [v is not None and OPS[op](v, mark) for v in values]
+    if not met:
+        return FAIL
     return PASS if all(met) else FAIL if not any(met) else NOISY
 
 
@@ -61,8 +64,10 @@ def table(rows: list[dict]) -> list[str]:
         if t["rounds"] > 1:
             spread = (f"{shown(t['low'], '')}-{shown(t['high'], t['unit'])}, "
                       f"{t['rounds']} rounds")
-        else:
+        elif t["rounds"] == 1:
             spread = "one run"
+        else:
+            spread = "not run"
         lines.append(f"| {t['target']} | {shown(t['median'], t['unit'])} | {spread} | "
                      f"{t['wanted']} | {t['verdict']} |")
     return lines
