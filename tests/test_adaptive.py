@@ -393,6 +393,7 @@ def test_a_short_spike_does_not_collapse_the_limit(ac, adb):
         check_observed(obs, 1, 16)
         lowest, trace = min(s[2] for s in window), compress([s[2] for s in window])
         print(f"\nspike: {before} before, lowest {lowest}, trace {trace}")
+        assert lowest < before, f"the spike was not seen: {trace}"
         assert lowest > 1, trace
 
 
@@ -726,13 +727,18 @@ def test_adapt_off_gives_the_cap_back_to_n_alone(aconnect):
     adapt(c, "off", 2, 2)
     assert counter_row(observer, "off")[:3] == (2, 2, True)
     assert [try_slot(c, "off", 5) for _ in range(3)] == [0, 1, None]
-    time.sleep(1.5)  # a flush or so writes the limit
+    wait_for(lambda: counter_row(observer, "off")[3] is not None, timeout=15, interval=0.1,
+             what="a flush to write the learned limit")
+    off_at = one(observer, "SELECT clock_timestamp()")
     adapt_off(c, "off")
     assert "off" not in limits(observer)
     assert counter_row(observer, "off") == (None,) * 5
     assert [try_slot(c, "off", 5) for _ in range(4)] == [2, 3, 4, None]
     assert lease(observer, "off", 6, "30 s")[0] == 5
-    time.sleep(2.5)  # past two flushes of the learned limit
+    # The acquisitions above are pending counts: a flush writes the row after the policy went.
+    wait_for(lambda: one(observer, "SELECT flushed_at > %s FROM stage_e_throttle_counter "
+                                   "WHERE cap = 'off'", (off_at,)) is True,
+             timeout=15, interval=0.1, what="a flush after the policy was turned off")
     assert counter_row(observer, "off") == (None,) * 5
     assert "off" not in limits(observer)
 
@@ -870,6 +876,11 @@ def test_a_limit_binds_under_a_storm_of_callers_as_pg_locks_sees_it(ac, adb, aco
                     state["worst"] = max(state["worst"], state["inside"])
                     if not 0 <= slot < 3:
                         errors_seen.append(f"slot {slot}")
+                # A round trip while counted inside, so that two callers' slots can overlap in
+                # the ledger (without it, inside went 0 -> 1 -> 0 under one lock hold).
+                if conn.execute("SELECT stage_e_holding('storm', %s)",
+                                (slot,)).fetchone()[0] is not True:
+                    errors_seen.append(f"slot {slot} not held inside its region")
                 with lock:
                     state["inside"] -= 1
                 if release(conn, "storm", slot) is not True:

@@ -5,6 +5,7 @@ a dropped extension freed, and no call in one database waiting on another's cap.
 
 import threading
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -175,6 +176,28 @@ def dc():
     c.destroy()
 
 
+def test_a_session_holds_at_most_1024_session_slots_by_default(dc):
+    """The README's default of stage_e_slots.max_session_slots (this cluster leaves it unset):
+    1,024 session slots held, the next one is 53400 naming the setting and takes nothing; the
+    lock manager is the observer."""
+    dc.create_database("default_slots")
+    s = connect(dc, "default_slots")
+    assert one(s, "SHOW stage_e_slots.max_session_slots") == "1024"
+    assert one(s, "SELECT count(stage_e_try_slot('d' || (i / 64), 64)) "
+                  "FROM generate_series(0, 1023) AS i") == 1024
+    pid = s.info.backend_pid
+    held = ("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s", (pid,))
+    assert one(s, *held) == 1024
+    with pytest.raises(errors.ConfigurationLimitExceeded) as refused:
+        s.execute("SELECT stage_e_try_slot('one_more', 8)")
+    assert "may hold at most 1024" in refused.value.diag.message_primary
+    assert "stage_e_slots.max_session_slots" in str(refused.value.diag.message_primary) + str(
+        refused.value.diag.message_detail) + str(refused.value.diag.message_hint)
+    assert one(s, *held) == 1024
+    assert one(s, "SELECT stage_e_release_all()") == 1024
+    s.close()
+
+
 def test_a_dropped_databases_leases_are_freed(dc):
     """`DROP DATABASE` of a database holding leases left them pinned until their TTL: here every
     lease record, so that every other database got 53400 for a day."""
@@ -270,6 +293,10 @@ def test_drop_extension_ends_its_caps(ec):
 
 # -- no call waits on another database's cap ---------------------------------------------------
 
+# x86_64 syscall numbers of a sleep: select, nanosleep, clock_nanosleep, pselect6.
+SLEEP_SYSCALLS = {"23", "35", "230", "270"}
+
+
 def test_growing_a_pinned_cap_does_not_stall_other_databases(dc):
     """A lease waiting for its horizon keeps its cap pinned; growing that cap waits for the pin.
     That wait held the directory lock, so a fresh session's first call in *another* database
@@ -311,11 +338,35 @@ def test_growing_a_pinned_cap_does_not_stall_other_databases(dc):
         assert name + "_done" not in results, results
         return thread
 
+    def launcher_blocked():
+        """The launcher waits for the blocker's lock: the lease asked it for a horizon and now
+        waits for room, its cap pinned."""
+        return one(observer, "SELECT count(*) FROM pg_locks WHERE NOT granted "
+                             "AND relation = 'stage_e_lease_horizon'::regclass") >= 1
+
+    def napping(name):
+        """The call sleeps in the server (pg_usleep, which shows no wait event: select on 15,
+        nanosleep on 16+), three looks in a row: the grow waiting for the lease's pin."""
+        pid = one(observer, "SELECT pid FROM pg_stat_activity WHERE application_name = %s "
+                            "AND state = 'active'", (name,))
+        if pid is None:
+            return False
+        for _ in range(3):
+            try:
+                call = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+            except OSError:
+                return False
+            if call not in SLEEP_SYSCALLS:
+                return False
+            time.sleep(0.005)
+        return True
+
     # A cap's first lease waits for the launcher to commit its horizon: blocked by the lock.
     lease = start_waiting("leaser", "SELECT slot FROM stage_e_lease('grown', 1, '1 min')")
-    time.sleep(0.3)
+    wait_for(launcher_blocked, timeout=10, what="the launcher to block on the horizon's lock")
     grow = start_waiting("grower", "SELECT stage_e_try_slot('grown', 1000)")
-    time.sleep(0.1)
+    wait_for(lambda: napping("grower"), timeout=10, interval=0.005,
+             what="the grow to wait for the lease's pin")
     other = connect(dc, "elsewhere")
     one(other, "SELECT 1")
     assert one(other, "SELECT stage_e_try_slot('fresh', 2)") == 0

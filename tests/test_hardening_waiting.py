@@ -8,6 +8,7 @@ import threading
 import time
 
 from conftest import cap_locks, one, stats
+from pgcluster import wait_for
 from test_waiting import Waiter, queued, waiters
 
 
@@ -36,28 +37,39 @@ def test_tries_on_a_wider_n_get_the_slots_a_waiter_on_n1_cannot_use(connect):
     assert (s["throttled"], s["waits"]) == (2, 1)
     # Tries on n = 1 in a loop, and on n = 4 holding slot 1: the waiter gets slot 0 at the next
     # release, and no try ever gets it meanwhile.
-    stop, grabbed = threading.Event(), []
+    stop, grabbed, failed = threading.Event(), [], []
     hammers = [connect(f"try-{i}") for i in range(2)]
+    tries_made = [0] * len(hammers)
 
-    def hammer(c):
-        while not stop.is_set():
-            if one(c, "SELECT stage_e_try_slot('mix', 1)") is not None:
-                grabbed.append(c.info.backend_pid)
-                one(c, "SELECT stage_e_release('mix', 0)")
+    def hammer(i, c):
+        try:
+            while not stop.is_set():
+                if one(c, "SELECT stage_e_try_slot('mix', 1)") is not None:
+                    grabbed.append(c.info.backend_pid)
+                    one(c, "SELECT stage_e_release('mix', 0)")
+                tries_made[i] += 1
+        except Exception as e:  # noqa: BLE001 - asserted below
+            failed.append(repr(e))
 
-    threads = [threading.Thread(target=hammer, args=(c,)) for c in hammers]
+    threads = [threading.Thread(target=hammer, args=(i, c)) for i, c in enumerate(hammers)]
     for t in threads:
         t.start()
     try:
-        time.sleep(0.2)
+        # Both hammers are trying before the release, and still trying after the grant.
+        wait_for(lambda: min(tries_made) >= 20 or failed != [], timeout=30,
+                 what="both hammers trying")
         assert one(holder, "SELECT stage_e_release('mix', 0)") is True
         assert w.wait().result == 0
+        at_grant = list(tries_made)
+        wait_for(lambda: all(a >= b + 20 for a, b in zip(tries_made, at_grant)) or failed != [],
+                 timeout=30, what="both hammers trying after the grant")
         assert grabbed == []
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=30)
     assert not [t for t in threads if t.is_alive()], "a hammer did not stop"
+    assert failed == [], failed
     assert cap_locks(observer, "mix") == [(0, w.pid), (1, tries.info.backend_pid)]
     assert waiters(observer) == []
 

@@ -107,11 +107,12 @@ def test_every_hold_and_wait_lands_in_its_bucket_and_sums_are_the_counters(hc, h
         # Waits: one timed out after 300 ms, one served after about 100 ms.
         assert wait[2] == waits == 2
         # The server's waits are at least 300 ms and about 100 ms, and at most what the client
-        # measured around them: in (256 ms, 1.024 s] and (64 ms, 256 ms] unless the machine
-        # stalled the client past those bounds.
-        assert sum(wait[0][bucket(0.3):]) >= 1 and sum(wait[0][bucket(0.09):]) == 2
-        if timed_out <= 1.024 and served <= 0.256:
-            assert wait[0] == expected(0.3, 0.1)
+        # measured around them: each lands in a bucket from its least to the client's figure's
+        # (on a quiet machine (256 ms, 1.024 s] and (64 ms, 256 ms]; a stall moves only the top).
+        waits_at = sorted(i for i, k in enumerate(wait[0]) for _ in range(k))
+        ranges = [(bucket(0.3), bucket(timed_out)), (bucket(0.09), bucket(served))]
+        assert any(all(lo <= b <= hi for b, (lo, hi) in zip(order, ranges))
+                   for order in (waits_at, waits_at[::-1])), (wait[0], timed_out, served)
         assert wait[1] == pytest.approx(wait_s, abs=1e-6)
         assert wait[1] == pytest.approx(timed_out + served, abs=0.05)
         # The quantiles view sees the same counts.

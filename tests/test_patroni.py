@@ -383,6 +383,9 @@ def test_leases_across_switchover_and_failover(ha):
     for i, e in enumerate(events):
         fates = outcomes(holdings, events, i, leader)
         assert not fates["undecided"], f"{e.kind}: holders that never learned their fate"
+        # The event caught a live holder, whose renewal on the new leader decided its fate:
+        # otherwise nothing above says what a failover does to a lease.
+        assert fates["reclaimed"] or fates["lost"], f"{e.kind}: caught no live holder: {fates}"
         before = [h.token for h in holdings if epoch_of(h, events, leader) <= i]
         after = [h.token for h in holdings if epoch_of(h, events, leader) == i + 1]
         assert after, f"{e.kind}: no new grant on the new leader"

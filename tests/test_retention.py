@@ -84,3 +84,26 @@ def test_caps_in_use_keep_their_rows_and_their_totals(rc):
         assert one(c, "SELECT throttled FROM stage_e_throttle_totals WHERE cap = 'held'") \
             == throttled
         assert one(c, "SELECT count(*) FROM stage_e_lease_horizon WHERE cap = 'leased'") == 1
+
+
+def test_the_rows_of_adaptive_caps_are_never_deleted(rc):
+    """The README: "The rows of adaptive caps are never deleted by counter_retention" (the row
+    keeps the policy and the learned limit). An adaptive cap used before a plain one: once the
+    plain cap's younger row went, the retention passed over the adaptive row, which stays with
+    its policy."""
+    db = rc.create_database("r_adaptive")
+    since = len(rc.log_text())
+    with rc.connect(db) as c:
+        c.autocommit = True
+        c.execute("SELECT stage_e_adapt('kept', 2, 4)")
+        assert one(c, "SELECT stage_e_try_slot('kept', 8)") == 0
+        assert one(c, "SELECT stage_e_release('kept', 0)") is True
+        wait_for(lambda: caps_with_rows(c) == ["kept"], what="the adaptive cap's row")
+        assert one(c, "SELECT stage_e_try_slot('plain', 2)") == 0
+        assert one(c, "SELECT stage_e_release('plain', 0)") is True
+        wait_for(lambda: caps_with_rows(c) == ["kept", "plain"], what="the plain cap's row")
+        wait_for(lambda: caps_with_rows(c) == ["kept"], timeout=15, what="the plain row to go")
+        assert "unused for longer than stage_e_slots.counter_retention" in rc.log_text()[since:]
+        assert c.execute("SELECT adapt_min, adapt_max, adapt_enforce FROM "
+                         "stage_e_throttle_counter WHERE cap = 'kept'").fetchone() == (2, 4, True)
+        assert one(c, "SELECT count(*) FROM stage_e_cap_limits WHERE cap = 'kept'") == 1

@@ -52,9 +52,9 @@ def test_incident_replay(cluster, db, mode):
         # each believed they held the same slot ran at once (every region's slot was freed at
         # its first enqueue, so the next worker got it again), and the extension says so,
         # loudly. How many of the 8 workers were in a region at one instant is scheduling's:
-        # all 8 in most runs, 7 in one fresh-clone CI run; never more than the workers.
+        # all 8 in most runs, 7 in one fresh-clone CI run (not asserted: at most the workers
+        # by construction).
         assert s["overlapping_regions_on_one_slot"] > 0
-        assert s["max_concurrent_capped_regions"] <= s["workers"] == 8
         assert s["acquired"] == s["ran"]
         assert s["released_by_exit"] == s["ran"]  # every region's slot went with its connection
         assert s["foreign_releases"] == s["ran"]  # and every release ran on another session
@@ -90,6 +90,9 @@ def test_incident_replay(cluster, db, mode):
         # workers ever believed they held one slot at the same time, and every throttle the
         # workers logged was counted, exactly.
         assert s["max_concurrent_capped_regions"] <= CAP
+        # The independent observer: pg_locks never showed more of the cap's slots granted, and
+        # it saw slots held (the regions hold theirs until the first throttle).
+        assert 1 <= s["max_concurrent_slot_holders_in_pg_locks"] <= CAP
         assert s["overlapping_regions_on_one_slot"] == 0
         assert s["released_by_exit"] == 0 and s["foreign_releases"] == 0
         assert s["acquired"] == s["released"] == s["ran"]
