@@ -776,6 +776,38 @@ def test_policy_changes_and_moves_of_the_limit_are_logged(ac, aconnect, adb):
         first["reason"]
 
 
+def test_moves_left_out_of_the_log_are_counted_in_its_next_line(ac, adb):
+    """The README: a cap's moves are logged at most one line every 10 s, and the ones left out
+    are counted in the next. Slow start from 1 moves the limit every window or so; the line
+    after the first, at least 10 s later (the service shrunk to force a move then), says how
+    many moves it left out, and starts from where they took the limit."""
+    since = len(ac.log_text())
+    with ac.connect(adb) as c:
+        adapt(c, "quiet", 1, 8)
+        service = Service(6)
+        clients = Clients(ac, adb, "quiet", service, 8, n=8)
+        try:
+            wait_for(lambda: moves(ac.log_text()[since:], "quiet"), timeout=20,
+                     what="the first move's line")
+            first_seen = time.monotonic()
+            wait_for(lambda: limit_of(c, "quiet") >= 4, timeout=20,
+                     what="more moves after the first line")
+            time.sleep(max(0.0, first_seen + 10.5 - time.monotonic()))  # the claim: 10 s
+            service.resize(2)
+            wait_for(lambda: len(moves(ac.log_text()[since:], "quiet")) >= 2, timeout=30,
+                     what="the next line")
+        finally:
+            clients.stop()
+    first, second = moves(ac.log_text()[since:], "quiet")[:2]
+    gap = (datetime.strptime(second["at"], "%Y-%m-%d %H:%M:%S.%f")
+           - datetime.strptime(first["at"], "%Y-%m-%d %H:%M:%S.%f"))
+    assert gap >= timedelta(seconds=10), (first, second)
+    assert first["left_out"] is None
+    assert second["left_out"] is not None and int(second["left_out"]) >= 2, second
+    # The moves left out took the limit from the first line's new value to the second's old.
+    assert int(second["old"]) >= 4 > int(first["new"]), (first, second)
+
+
 def test_policies_are_per_database(ac, aconnect):
     """A policy applies to the cap of its own database only; another database's cap of the
     same name keeps its n and shows no row."""

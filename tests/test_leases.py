@@ -514,6 +514,29 @@ def test_releasing_or_renewing_an_expired_lease_frees_it_as_expired_and_counts_e
 
 # -- expiry --------------------------------------------------------------------------------------
 
+def test_at_the_default_flush_interval_the_background_worker_frees_an_expiry_within_5_s(
+        cluster, db):
+    """The README's bound for the background worker, at the default flush_interval (10 s: this
+    cluster sets none), where it sweeps every 5 s: an expired lease that no call touches is
+    freed within 5 s of its expiry (plus the launcher's scheduling), never before it."""
+    with cluster.connect(db) as c:
+        assert one(c, "SHOW stage_e_slots.flush_interval") == "10s"
+    since = len(cluster.log_text())
+    with cluster.connect(db, "taker") as taker:
+        slot, token = lease(taker, "sweep5", 1, "300 ms")
+    with cluster.connect(db) as observer:
+        wait_for(lambda: stats(observer, "sweep5")["expired"] == 1, timeout=15,
+                 what="the launcher to free the lease")
+        wait_for(lambda: expiry_lines(cluster.log_text()[since:], "sweep5"), timeout=5,
+                 what="the expiry LOG line")
+        [m] = expiry_lines(cluster.log_text()[since:], "sweep5")
+        assert (int(m["slot"]), int(m["token"])) == (slot, token)
+        assert int(m["by"]) == one(observer, LAUNCHER)
+        assert float(m["held"]) >= 0.3  # not before its expiry
+        # 5 s, and a quarter second for the launcher to be scheduled on 2 shared cores.
+        assert float(m["past"]) < 5.25, m["past"]
+
+
 def test_the_background_worker_frees_an_expired_lease_with_no_acquisition(fast):
     fast.create_database("bg_expiry")
     since = len(fast.log_text())
