@@ -1,6 +1,7 @@
-"""`bench/readme.py [--check]`: copies the measured tables from bench/results/ into README.md.
+"""`bench/readme.py [--check]`: copies the measured tables from bench/results/ into README.md
+and docs/benchmarks.md.
 
-README.md's benchmark figures are not typed in: each block of them sits between
+Their benchmark figures are not typed in: each block of them sits between
 
     <!-- bench/readme.py: FILE[#PART] -->
     ...
@@ -9,7 +10,7 @@ README.md's benchmark figures are not typed in: each block of them sits between
 and this replaces the block's body with that file of bench/results/ (`summary.md`, written by
 `make bench`, is cut into parts at its `<!-- part: NAME -->` lines; `callgrind.md`, written by
 bench/callgrind.py, is one part). Run it after `make bench` and bench/callgrind.py. With
-`--check` it changes nothing and exits 1 when README.md differs from the results.
+`--check` it changes nothing and exits 1 when either file differs from the results.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
+PAGES = [README, HERE.parent / "docs" / "benchmarks.md"]  # each has blocks
 BLOCK = re.compile(r"(<!-- bench/readme\.py: (?P<src>[^ #]+)(?:#(?P<part>[^>]+?))? -->\n)"
                    r"(?P<body>.*?)"
                    r"(<!-- bench/readme\.py: end -->)", re.S)
@@ -52,22 +54,25 @@ def spliced(readme: str) -> str:
 
     out, n = BLOCK.subn(body, readme)
     if not n:
-        raise SystemExit("README.md has no bench/readme.py blocks")
+        raise SystemExit("a page has no bench/readme.py blocks")
     return out
 
 
 def main() -> int:
-    text = README.read_text()
-    new = spliced(text)
-    if "--check" in sys.argv[1:]:
-        if new != text:
-            print("README.md's benchmark blocks differ from bench/results/: run bench/readme.py")
-            return 1
-        return 0
-    if new != text:
-        README.write_text(new)
-        print("README.md: benchmark blocks copied from bench/results/")
-    return 0
+    differ = []
+    for page in PAGES:
+        name = page.relative_to(HERE.parent)
+        text = page.read_text()
+        new = spliced(text)
+        if new == text:
+            continue
+        if "--check" in sys.argv[1:]:
+            print(f"{name}'s benchmark blocks differ from bench/results/: run bench/readme.py")
+            differ.append(name)
+        else:
+            page.write_text(new)
+            print(f"{name}: benchmark blocks copied from bench/results/")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ prometheus-postgres-exporter 0.11.1 and Prometheus 2.42 (scripts/monitoring.py s
 The exporter, with monitoring/postgres_exporter.yaml, against a database with traffic on two
 caps (slots held, throttles, a wait served and one timed out, a foreign release, a slot lost
 with its session, a lease released and one expired, a session waiting): every metric that the
-README's Monitoring section names is on /metrics with its labels, equal to what
+monitoring guide (monitoring/README.md) names is on /metrics with its labels, equal to what
 stage_e_stats(), stage_e_histograms() and the views it reads return at that moment, and
 `promtool check metrics` finds nothing. In one database (the DSN's) and in every database
 (--auto-discover-databases), where one cap name in two databases makes two series told apart by
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 QUERIES = ROOT / "monitoring" / "postgres_exporter.yaml"
 ALERTS = ROOT / "monitoring" / "alerts.yaml"
 DASHBOARD = ROOT / "monitoring" / "grafana-dashboard.json"
-README = ROOT / "README.md"  # its Monitoring section names the metrics
+README = ROOT / "monitoring" / "README.md"  # the monitoring guide names the metrics
 
 CAPS = {"exports": 2, "reports": 3}  # cap: n
 CAP_REGEX = "(exports|reports)"  # Grafana's rendering of a two-value $cap for Prometheus
@@ -69,7 +69,7 @@ FLOAT_TOLERANCE = 1e-6  # seconds: the exporter prints float8s in full
 # -- the documented names ----------------------------------------------------------------------
 
 def documented_metrics():
-    """{metric: type} of the metrics table of the README's Monitoring section."""
+    """{metric: type} of the metrics table of the monitoring guide (monitoring/README.md)."""
     out, table = {}, False
     for line in README.read_text().splitlines():
         if line.startswith("| Metric | Type |"):

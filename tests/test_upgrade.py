@@ -636,10 +636,10 @@ def test_every_update_one_step_at_a_time_with_a_slot_held_across_each(uc):
 
 
 def test_the_readmes_package_names_carry_the_version_of_cargo_toml():
-    """The artifacts the README names (the .deb, the tarball and its folder) are of the
-    version `make package` builds now, Cargo.toml's."""
-    names = re.findall(r"stage[-_]e[-_]slots[-_](\d+\.\d+\.\d+)",
-                       (ROOT / "README.md").read_text())
+    """The artifacts the README names (the .deb, the tarball and its folder), and the wheel
+    python/README.md names, are of the version `make package` builds now, Cargo.toml's."""
+    text = (ROOT / "README.md").read_text() + (ROOT / "python" / "README.md").read_text()
+    names = re.findall(r"stage[-_]e[-_]slots[-_](\d+\.\d+\.\d+)", text)
     assert len(names) >= 4, names  # the .deb twice, the tarball, its folder
     assert set(names) == {CURRENT}
 
@@ -656,13 +656,13 @@ SELECT p.oid::regprocedure::text, p.prosecdef, p.proconfig
 
 
 def test_no_version_has_a_security_definer_function_and_the_comparison_sees_one(uc):
-    """The README: "There are no `SECURITY DEFINER` functions." None at any version (a
+    """docs/security.md: "There are no `SECURITY DEFINER` functions." None at any version (a
     database not yet updated runs its version's functions), none with SET options either (the
     pinned search_path is set by the statements the extension runs, not by function options).
     And the schema comparison of the update tests sees the difference: a fresh install with one
     function made SECURITY DEFINER (or given a SET option) no longer compares equal."""
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "There are no `SECURITY DEFINER` functions." in readme
+    security = " ".join((ROOT / "docs" / "security.md").read_text().split())
+    assert "There are no `SECURITY DEFINER` functions." in security
     for version in update_chain():
         db = "secdef_" + version.replace(".", "_")
         uc.create_database(db, extension=False)
