@@ -55,7 +55,9 @@ bench: install
 ## multi-session tests on real clusters, and the Python package (its wheel, installed) with
 ## the Django replay and the task queues. One phase after another (the first failure stops
 ## it), with the time each took printed at the end.
-TEST_PHASES = deps install-dev test-monitoring test-unit test-pg test-integration \
+# test-pg installs a build with the #[pg_test] functions in it; install-dev comes after it, so
+# that the multi-session phases run the real build (whose catalog they check function by function).
+TEST_PHASES = deps test-monitoring test-unit test-pg install-dev test-integration \
               test-isolation test-python
 test:
 	@scripts/phases.sh "make test PG=$(PG)" \
@@ -77,7 +79,7 @@ test-pg:
 	RUST_TEST_THREADS=1 cargo pgrx test $(PG_FEATURE) --runas postgres --pgdata $(PGDATA_TEST)
 
 test-integration: $(INSTALL_DEV)
-	.venv/bin/python -m pytest tests -v -s -p no:cacheprovider --ignore=tests/python
+	.venv/bin/python -m pytest tests -v -s -p no:cacheprovider --durations=30 --ignore=tests/python
 
 # The Python package (python/, distribution stage-e-slots) as its users get it: the wheel built
 # from python/, installed with its django extra into a venv made afresh each run, and
@@ -91,7 +93,7 @@ test-python: $(INSTALL_DEV)
 	python3 -m venv --clear $(PKG_VENV)
 	$(PKG_VENV)/bin/pip install --quiet --disable-pip-version-check \
 	  "$$(ls $(PKG_DIST)/stage_e_slots-*.whl)[django]" -r tests/python/requirements.txt
-	$(PKG_VENV)/bin/python -m pytest tests/python -v -s -p no:cacheprovider
+	$(PKG_VENV)/bin/python -m pytest tests/python -v -s -p no:cacheprovider --durations=15
 
 ## The Python package's wheel and sdist, into dist/.
 wheel: deps
