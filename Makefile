@@ -139,6 +139,7 @@ test-package:
 
 lint: deps
 	.venv/bin/ruff check --config python/pyproject.toml python tests/python
+	.venv/bin/python scripts/generate_sync.py --check
 	cd python && ../.venv/bin/mypy --strict src/stage_e_slots
 	cargo fmt --all --check
 	cargo clippy -p stage_e_core --all-targets -- -D warnings

@@ -164,8 +164,8 @@ if ! grep -qs "pg$MAJOR = \"$PG_CONFIG\"" "$config"; then
   cargo pgrx init "${args[@]}" >/dev/null
 fi
 
-if [ ! -x .venv/bin/pytest ] || [ ! -x .venv/bin/ruff ] || ! .venv/bin/python -c 'import psycopg, pytest, pytest_timeout, matplotlib, django, django_q, asyncpg, psycopg2, build, mypy, django_stubs_ext' 2>/dev/null; then
-  echo "==> python venv (.venv) with psycopg, pytest, pytest-timeout, matplotlib, Django, django-q2, asyncpg, psycopg2, and build, mypy, django-stubs and ruff for the Python package"
+if [ ! -x .venv/bin/pytest ] || [ ! -x .venv/bin/ruff ] || ! .venv/bin/python -c 'import psycopg, pytest, pytest_timeout, matplotlib, django, django_q, asyncpg, psycopg2, build, mypy, django_stubs_ext, unasync' 2>/dev/null; then
+  echo "==> python venv (.venv) with psycopg, pytest, pytest-timeout, matplotlib, Django, django-q2, asyncpg, psycopg2, and build, mypy, django-stubs, ruff and unasync for the Python package"
   python3 -m venv .venv
   .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/requirements.txt
 fi

@@ -9,7 +9,7 @@ import time
 import psycopg
 import pytest
 from conftest import cap_locks, one, stats, wait_for  # tests/conftest.py's, via tests/python
-from stage_e_slots import LeaseLost, aio
+from stage_e_slots import LeaseLost, _aio_leases
 from stage_e_slots.aio import AsyncLease, stage_e_lease
 from test_aio import run, until, waiters
 
@@ -137,7 +137,7 @@ SLOW_RENEWAL = "SELECT stage_e_renew(%s, %s, %s, %s), pg_sleep(30)"  # renews, t
 def test_a_renewal_cancelled_midway_still_ends_with_the_release(through, cluster, db, dsn,
                                                                 connect, monkeypatch):
     observer = connect("observer")
-    monkeypatch.setattr(aio, "_RENEW", SLOW_RENEWAL)
+    monkeypatch.setattr(_aio_leases, "_RENEW", SLOW_RENEWAL)
 
     async def region(target, renewing):
         async with stage_e_lease(target, "renewed", 1, ttl=30) as lease:
@@ -174,7 +174,7 @@ def test_a_renewal_whose_cancellation_broke_the_connection_leaves_the_ttl_to_fre
     """Cancelled twice mid-renewal, psycopg gives up on the connection it owns; the release on
     exit cannot run there, says so, and the ttl frees the slot."""
     observer = connect("observer")
-    monkeypatch.setattr(aio, "_RENEW", SLOW_RENEWAL)
+    monkeypatch.setattr(_aio_leases, "_RENEW", SLOW_RENEWAL)
 
     async def region(conn, renewing, box):
         async with stage_e_lease(conn, "renewed", 1, ttl=1) as lease:

@@ -293,23 +293,23 @@ def test_a_slot_taken_by_a_call_that_then_failed_is_given_back(dsn, connect, mon
     """A cancel or statement_timeout can land after the server took the slot: the client sees
     an error, the session holds a slot nobody knows of. The helper keeps the connection (it
     holds the thread's other slots) and releases that one."""
-    from stage_e_slots import _slots as helper
+    from stage_e_slots import _sync_line as helper
 
     observer = connect("observer")
     sc = SlotConnection(dsn)
     with sc.slot(1, cap="outer") as outer:
         assert outer == 0
         backend = sc._conn.info.backend_pid
-        real = helper._value
+        real = helper._fetch
 
         def cancelled_after_the_fact(conn, query, params):
             real(conn, query, params)
             if "stage_e_try_slot" in query:
                 raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
 
-        monkeypatch.setattr(helper, "_value", cancelled_after_the_fact)
+        monkeypatch.setattr(helper, "_fetch", cancelled_after_the_fact)
         assert sc.try_slot(2, cap="inner") is None
-        monkeypatch.setattr(helper, "_value", real)
+        monkeypatch.setattr(helper, "_fetch", real)
         locks = observer.execute(
             "SELECT cap, slot FROM stage_e_slot_holders WHERE pid = %s ORDER BY cap",
             (backend,)).fetchall()

@@ -1,24 +1,39 @@
-"""The connection machinery of ``stage_e_slots.aio``: one psycopg AsyncConnection of one event
-loop, shared by its tasks in turns (``_Line``). Read ``stage_e_slots.aio``'s docstring for what
-it promises; this module is private."""
+"""The connection machinery of ``stage_e_slots.aio``, hand-written (the asyncio modules
+``_aio_slots.py`` and ``_aio_leases.py`` run on it; the sync ones generated from them run on
+``_sync_line``, which has the same interface). Read ``stage_e_slots.aio``'s docstring for what
+it promises; this module is private.
+
+- ``_Line``: one psycopg AsyncConnection of one event loop, shared by its tasks in turns.
+- ``_connections``: the connections of the running event loop (sync: of this thread).
+- ``_AsyncConnectionStatements``: the statements of leases taken on a psycopg AsyncConnection
+  the caller owns.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.rows import tuple_row
 
-from ._leases import _Unreachable
-from ._slots import log
+from ._common import _LEASE, _Unreachable, log
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
 AsyncConn = psycopg.AsyncConnection[Any]
+
+# What ends the connections' application_name (the sync API's end with the pid).
+APP_SUFFIX = ":aio"
+# Whether a lease taken by a call whose answer was lost (an interrupted wait, a cancelled
+# task) is looked for and released at once (the sync API leaves it to its ttl).
+RECOVER_LEASES = True
 
 # An interrupt (cancel request) that reached the server before the statement it was for is
 # ignored there; the statement still running this long after it gets another.
@@ -30,11 +45,11 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()  # retrieved: its caller may have been cancelled and never look
 
 
-async def _shielded(work: Awaitable[T]) -> T:
-    """Runs `work` to its end even if the caller is cancelled meanwhile (a release cut off
-    halfway would leave the slot held and unknown); the caller's cancellation still
+async def _shielded(work: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """Runs ``work(*args)`` to its end even if the caller is cancelled meanwhile (a release cut
+    off halfway would leave the slot held and unknown); the caller's cancellation still
     propagates."""
-    task = asyncio.ensure_future(work)
+    task = asyncio.ensure_future(work(*args))
     task.add_done_callback(_retrieve)
     return await asyncio.shield(task)
 
@@ -353,3 +368,88 @@ class _Line:
             turn.statement_ended()
             got(row)
             return self.generation
+
+
+# -- per event loop --------------------------------------------------------------------------
+
+class _LoopConnections:
+    """The dedicated connections of one event loop, by DSN."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, Any] = {}  # AsyncSlotConnection
+        self.leases: dict[str, Any] = {}  # _AsyncDsnStatements
+
+    def lines(self) -> list[_Line]:
+        return [c._line for c in self.slots.values()] + [s._line for s in self.leases.values()]
+
+
+_per_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopConnections] = (
+    weakref.WeakKeyDictionary())
+_per_loop_strong: dict[asyncio.AbstractEventLoop, _LoopConnections] = {}  # loops without weakrefs
+_per_loop_lock = threading.Lock()
+
+
+def _sweep() -> None:
+    """Closes the connections of loops that have ended (the sessions would linger otherwise:
+    nothing tells us when a loop closes)."""
+    for registry in (_per_loop, _per_loop_strong):
+        for loop, conns in list(registry.items()):
+            if loop.is_closed():
+                for line in conns.lines():
+                    line.drop()
+                del registry[loop]
+
+
+def _connections(what: str) -> _LoopConnections:
+    """The running loop's connections (``what`` names the caller in the error when no loop is
+    running)."""
+    loop = _running_loop(what)
+    with _per_loop_lock:
+        try:
+            conns = _per_loop.get(loop)
+            registry: Any = _per_loop
+        except TypeError:
+            conns, registry = _per_loop_strong.get(loop), _per_loop_strong
+        if conns is None:
+            _sweep()
+            conns = registry[loop] = _LoopConnections()
+        return conns
+
+
+# -- leases on the caller's connection ---------------------------------------------------------
+
+class _AsyncConnectionStatements:
+    """The statements of leases taken on a psycopg AsyncConnection the caller owns: they run as
+    they are (in the caller's transaction if one is open), never prepared, never on another
+    connection of ours. A waiting lease occupies that connection for its wait."""
+
+    reconnects = False
+
+    def __init__(self, conn: Any) -> None:
+        if not isinstance(conn, psycopg.AsyncConnection):
+            hint = (" (a sync connection: use stage_e_slots.stage_e_lease)"
+                    if callable(getattr(conn, "cursor", None)) else "")
+            raise TypeError("stage_e_slots.aio.stage_e_lease needs a DSN (str) or a psycopg "
+                            f"AsyncConnection, not {type(conn).__name__}{hint}")
+        self.conn: AsyncConn = conn
+
+    async def row(self, query: str, params: tuple[object, ...]) -> Row | None:
+        conn = self.conn
+        if conn.broken or conn.closed:
+            raise _Unreachable("the connection is closed")
+        try:
+            # prepare=False: no server-side prepared statement, whatever the connection's
+            # prepare_threshold (a transaction pooler would run the next use elsewhere).
+            async with conn.cursor(row_factory=tuple_row) as cur:
+                await cur.execute(query, params, prepare=False)
+                return await cur.fetchone()
+        except psycopg.Error as e:
+            if conn.broken or conn.closed:
+                raise _Unreachable(str(e)) from e
+            raise
+
+    async def take(self, cap: str, n: int, ttl: timedelta, wait: timedelta) -> Row | None:
+        return await self.row(_LEASE, (cap, n, ttl, wait))
+
+    def ended(self, token: int) -> None:
+        pass

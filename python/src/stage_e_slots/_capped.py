@@ -34,8 +34,9 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
 
-from ._leases import Ttl, _as_ttl, stage_e_lease
-from ._slots import Wait, _as_timedelta, _check_cap, stage_e_slot
+from ._common import Ttl, Wait, _as_timedelta, _as_ttl, _check_cap
+from ._leases import stage_e_lease
+from ._slots import stage_e_slot
 
 R = TypeVar("R")
 T = TypeVar("T")

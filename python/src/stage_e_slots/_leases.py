@@ -1,166 +1,120 @@
-"""Leases: a slot held by a token for a ttl instead of by a session (the extension at 0.4.0)."""
+# Generated from _aio_leases.py by scripts/generate_sync.py; do not edit. Edit _aio_leases.py,
+# then run `python scripts/generate_sync.py` (`make lint` checks this is current).
+"""The sync API's leases: ``Lease`` and ``stage_e_lease`` (their docs are
+``stage_e_slots``'). Private."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any
 
 import psycopg
-from psycopg.rows import tuple_row
 
-from ._slots import Wait, _as_timedelta, _check_cap, log
-
-Ttl = Union[float, int, timedelta]
-
-_LEASE = "SELECT slot, token FROM stage_e_lease(%s, %s, %s, %s)"
-_RENEW = "SELECT stage_e_renew(%s, %s, %s, %s)"
-_RELEASE_LEASE = "SELECT stage_e_release_lease(%s, %s, %s)"
-# The lease's row of the holders view, live now (this never extends it).
-_LEASE_LIVE = ("SELECT expires_at > clock_timestamp() FROM stage_e_slot_holders "
-               "WHERE cap = %s AND slot = %s AND token = %s")
-
-
-class LeaseLost(Exception):
-    """A lease ended before its region did: its ttl passed (the server freed the slot and
-    counted it as expired) or its token was no longer the slot's current one. Whatever the
-    region did after that was not guarded by the cap."""
-
-    def __init__(self, cap: str, slot: int, token: int, reason: str) -> None:
-        self.cap, self.slot, self.token, self.reason = cap, slot, token, reason
-        super().__init__(f"the lease of slot {slot} of cap {cap!r} (token {token}) was lost "
-                         f"before its region ended: {reason}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Task queues (Celery, multiprocessing) pickle exceptions back to the caller.
-        return (type(self), (self.cap, self.slot, self.token, self.reason))
-
-
-class _Unreachable(Exception):
-    """The connection broke (or could not be opened); __cause__ is the driver's error."""
-
-
-def _as_ttl(ttl: Ttl) -> timedelta:
-    delay = ttl if isinstance(ttl, timedelta) else timedelta(seconds=ttl)
-    if delay <= timedelta(0):
-        raise ValueError(f"ttl must be positive: {ttl!r}")
-    return delay
-
-
-def _is_a(e: BaseException, name: str) -> bool:
-    """Whether `e` is a DB-API error of class `name` (OperationalError, DataError...), or wraps
-    one (Django re-raises the driver's errors as its own classes of the same names)."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if any(c.__name__ == name for c in type(seen).__mro__):
-            return True
-        seen = seen.__cause__
-    return False
+from ._common import (
+    _LEASE,
+    _LEASE_LIVE,
+    _OWN_LEASES,
+    _RELEASE_LEASE,
+    _RENEW,
+    LeaseLost,
+    Ttl,
+    Wait,
+    _as_timedelta,
+    _as_ttl,
+    _check_cap,
+    _is_a,
+    _lease_failed,
+    _Unreachable,
+    log,
+)
+from ._sync_line import (
+    APP_SUFFIX,
+    RECOVER_LEASES,
+    Conn,
+    Row,
+    _connections,
+    _ConnectionStatements,
+    _Line,
+    _lost,
+    _shielded,
+)
 
 
 class _DsnStatements:
-    """The statements of leases taken with a DSN, on this thread's connection for it: autocommit
-    and without server-side prepared statements (``prepare_threshold=None``), so every
-    statement is a transaction of its own and may run on any server connection of a
-    transaction pooler. A lease needs no particular session: when this connection breaks, it is
-    dropped and the next statement opens another (after a fork, the child opens its own)."""
+    """The statements of leases taken with a DSN, on this thread's lease connection for it
+    (aio: the running loop's, shared by its tasks like the slot connection: a waiting lease
+    gives way to a release): autocommit and without server-side prepared statements
+    (``prepare_threshold=None``), so every statement is a transaction of its own and may run on
+    any server connection of a transaction pooler. A lease needs no particular session: when
+    this connection breaks, it is dropped and the next statement opens another (after a fork,
+    the child opens its own)."""
 
     reconnects = True
 
-    def __init__(self, dsn: str, *, application_name: str | None = None,
-                 connect_timeout: int = 5) -> None:
-        self.dsn = dsn
-        self.application_name = application_name or f"stage_e_lease:{os.getpid()}"
-        self.connect_timeout = connect_timeout
-        self._conn: psycopg.Connection | None = None
-        self._pid = os.getpid()
+    def __init__(self, dsn: str, *, connect_timeout: int = 5) -> None:
+        self._line = _Line(dsn, f"stage_e_lease:{os.getpid()}{APP_SUFFIX}", connect_timeout,
+                           prepare=False)
+        # The tokens of the leases of live regions taken here (to find any nobody heard of).
+        self.tokens: set[int] = set()
 
-    def _connection(self) -> psycopg.Connection:
-        conn = self._conn
-        if conn is not None and (self._pid != os.getpid() or conn.broken or conn.closed):
-            self._drop()
-        if self._conn is None:
-            try:
-                self._conn = psycopg.connect(self.dsn, autocommit=True, prepare_threshold=None,
-                                             application_name=self.application_name,
-                                             connect_timeout=self.connect_timeout)
-            except psycopg.OperationalError as e:
-                raise _Unreachable(str(e)) from e
-            self._pid = os.getpid()
-        return self._conn
+    def row(self, query: str, params: tuple[object, ...]) -> Row | None:
+        return self._line.one(query, params, connect=True)
 
-    def _drop(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None and self._pid == os.getpid():
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001, S110 - already broken; nothing more to do
-                pass
+    def take(self, cap: str, n: int, ttl: timedelta, wait: timedelta) -> Row | None:
+        taken: Row | None = None
 
-    def row(self, query: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
-        conn = self._connection()
+        def got(row: Row | None) -> bool:
+            nonlocal taken
+            if row is None or row[0] is None:
+                return False
+            taken = row
+            self.tokens.add(int(row[1]))
+            return True
+
+        def recover(conn: Conn, why: str) -> None:
+            if RECOVER_LEASES:
+                self._release_unknown(conn, cap, why)
+
+        self._line.call(
+            lambda s: (_LEASE, (cap, n, ttl, timedelta(seconds=s))), wait.total_seconds(),
+            got=got, recover=recover)
+        return taken
+
+    def _release_unknown(self, conn: Conn, cap: str, why: str) -> None:
         try:
-            return conn.execute(query, params).fetchone()
+            cur = conn.execute(_OWN_LEASES, (cap,))
+            for slot, token in cur.fetchall():
+                if token not in self.tokens:
+                    conn.execute(_RELEASE_LEASE, (cap, slot, token))
+                    log.warning("stage_e_lease: released the lease of slot %s of cap %r (token "
+                                "%s), taken by %s whose answer was lost", slot, cap, token, why)
         except psycopg.Error as e:
-            sqlstate = e.sqlstate or ""
-            if (conn.broken or conn.closed or sqlstate.startswith(("08", "57P"))
-                    or (not sqlstate and isinstance(e, psycopg.OperationalError))):
-                self._drop()
-                raise _Unreachable(str(e)) from e
-            raise
+            log.error("stage_e_lease: could not check the leases of cap %r after %s (%s): a "
+                      "lease it took is freed when its ttl passes", cap, why, e)
+            if _lost(conn, e):
+                self._line.drop()
+
+    def ended(self, token: int) -> None:
+        self.tokens.discard(token)
 
     def close(self) -> None:
-        self._drop()
+        self._line.drop()
 
 
-class _ConnectionStatements:
-    """The statements of leases taken on a connection the caller owns: a psycopg connection,
-    Django's ``django.db.connection``, or any DB-API connection with ``cursor()``. They run as
-    they are, in the caller's transaction if one is open (a lease is not transactional: a
-    rollback does not undo it), and never on another connection of ours."""
-
-    reconnects = False
-
-    def __init__(self, conn: Any) -> None:
-        if not callable(getattr(conn, "cursor", None)):
-            raise TypeError("stage_e_lease needs a DSN (str) or a connection with cursor(), "
-                            f"not {type(conn).__name__}")
-        self.conn = conn
-
-    def row(self, query: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
-        conn = self.conn
-        if isinstance(conn, psycopg.Connection):
-            if conn.broken or conn.closed:
-                raise _Unreachable("the connection is closed")
-            try:
-                # prepare=False: no server-side prepared statement, whatever the connection's
-                # prepare_threshold (a transaction pooler would run the next use elsewhere).
-                with conn.cursor(row_factory=tuple_row) as cur:
-                    cur.execute(query, params, prepare=False)
-                    return cur.fetchone()
-            except psycopg.Error as e:
-                if conn.broken or conn.closed:
-                    raise _Unreachable(str(e)) from e
-                raise
-        cur = conn.cursor()  # Django reconnects here if the framework closed its connection
-        try:
-            cur.execute(query, params)
-            row = cur.fetchone()
-            return None if row is None else tuple(row)
-        finally:
-            cur.close()
+_Statements = Any  # _DsnStatements or _ConnectionStatements
 
 
-class _LeaseState:
-    """What the sync Lease and aio's AsyncLease both keep: the lease, whether it was lost, and
-    a lower bound of its expiry."""
+class Lease:
+    """A slot of ``cap`` held by ``token`` until ``ttl`` passes unless renewed, as
+    ``stage_e_lease`` yields it. ``lost`` becomes True once a renewal or the release found it
+    gone (expired, or the token no longer current)."""
 
-    def __init__(self, statements: Any, cap: str, slot: int, token: int, ttl: timedelta,
-                 sent: float) -> None:
+    def __init__(self, statements: _Statements, cap: str, slot: int, token: int,
+                 ttl: timedelta, sent: float) -> None:
         self.cap, self.slot, self.token, self.ttl = cap, slot, token, ttl
         self.lost = False
         self.lost_reason: str | None = None
@@ -178,16 +132,10 @@ class _LeaseState:
         if not self.lost:
             self.lost, self.lost_reason = True, reason
 
-
-class Lease(_LeaseState):
-    """A slot of ``cap`` held by ``token`` until ``ttl`` passes unless renewed, as
-    ``stage_e_lease`` yields it. ``lost`` becomes True once a renewal or the release found it
-    gone (expired, or the token no longer current)."""
-
-    def _row(self, query: str, params: tuple[object, ...]) -> tuple[Any, ...] | None:
+    def _row(self, query: str, params: tuple[object, ...]) -> Row | None:
         """Runs a statement that may run twice (a renewal, a read): after a broken connection,
         once more on a fresh one (with a DSN)."""
-        row: tuple[Any, ...] | None
+        row: Row | None
         try:
             row = self._st.row(query, params)
         except _Unreachable:
@@ -205,7 +153,8 @@ class Lease(_LeaseState):
 
         A renewal that cannot reach the server raises the driver's error and leaves the lease
         as it was: it may well be alive (its ttl has not passed), so whether to go on is the
-        caller's decision, not this helper's. Nothing renews in the background."""
+        caller's decision, not this helper's; one cancelled midway (aio) leaves it renewed or
+        not, and the region's end releases it either way. Nothing renews in the background."""
         if self._ended:
             raise RuntimeError(f"{self!r}: its region has ended")
         if self.lost:
@@ -255,10 +204,13 @@ class Lease(_LeaseState):
                           "released, its connection is gone (%s): the slot stays taken until "
                           "its ttl passes", self.slot, self.cap, self.token, e)
                 return None
-        except Exception as e:  # noqa: BLE001 - the region's end must not fail on it
+        except BaseException as e:  # the region's end must not fail on it (a cancellation
+            # or an interrupt is re-raised)
             log.error("stage_e_lease: the release of the lease of slot %s of cap %r (token %s) "
                       "failed (%s): the slot stays taken until its ttl passes", self.slot,
-                      self.cap, self.token, e)
+                      self.cap, self.token, e or type(e).__name__)
+            if not isinstance(e, Exception):
+                raise
             return None
         # The connection broke around the release, which may or may not have run. Any
         # connection serves a lease: ask a fresh one whether it is still there.
@@ -271,18 +223,24 @@ class Lease(_LeaseState):
                 return time.monotonic() < self._deadline
             row = self._st.row(_RELEASE_LEASE, args)
             return bool(row is not None and row[0])
-        except Exception as e:  # noqa: BLE001 - as above
+        except BaseException as e:  # as above
             log.error("stage_e_lease: the lease of slot %s of cap %r (token %s) could not be "
                       "released (%s): the slot stays taken until its ttl passes", self.slot,
-                      self.cap, self.token, e)
+                      self.cap, self.token, e or type(e).__name__)
+            if not isinstance(e, Exception):
+                raise
             return None
 
     def _end(self, failure: BaseException | None) -> None:
         """The region's end: releases by token (unless a renewal already found the lease gone:
-        releasing it then would only count a foreign release), and reports a lost lease."""
+        releasing it then would only count a foreign release), and reports a lost lease
+        (LeaseLost when the region ended normally, else a note on its exception)."""
         self._ended = True
-        if not self.lost and self._release() is False:
-            self._mark_lost("its release found it expired, or its token no longer current")
+        try:
+            if not self.lost and self._release() is False:
+                self._mark_lost("its release found it expired, or its token no longer current")
+        finally:
+            self._st.ended(self.token)
         if not self.lost:
             return
         message = (f"stage_e_lease: the lease of slot {self.slot} of cap {self.cap!r} (token "
@@ -295,39 +253,24 @@ class Lease(_LeaseState):
             failure.add_note(message)
 
 
-_lease_local = threading.local()
-
-
 def _lease_statements(dsn: str) -> _DsnStatements:
-    """This thread's lease connection for `dsn` (created on first use)."""
-    conns: dict[str, _DsnStatements] | None = getattr(_lease_local, "conns", None)
-    if conns is None:
-        conns = _lease_local.conns = {}
-    if dsn not in conns:
-        conns[dsn] = _DsnStatements(dsn)
-    return conns[dsn]
+    """This thread's lease connection for `dsn` (aio: the running loop's), made on first
+    use."""
+    conns = _connections("stage_e_slots.stage_e_lease").leases
+    found: _DsnStatements | None = conns.get(dsn)
+    if found is None:
+        found = conns[dsn] = _DsnStatements(dsn)
+    return found
 
 
-def _lease_failed(cap: str, e: Exception) -> None:
-    """What a lease statement's error makes of the call (sync and asyncio alike): throttled,
-    logged, when the database is unreachable or refused it with an operational error;
-    re-raised otherwise (bad arguments, the extension missing or too old: a bug, not load)."""
-    if isinstance(e, _Unreachable):
-        log.warning("stage_e_lease: treating as throttled (cap %r), cannot reach the "
-                    "database: %s", cap, e)
-    elif _is_a(e, "OperationalError"):
-        log.error("stage_e_lease: treating as throttled (cap %r), the lease statement failed "
-                  "(the server refused it, or the connection failed): %s", cap, e)
-    else:
-        raise e
-
-
-def _take_lease(statements: Any, cap: str, n: int, ttl: Ttl, wait: Wait) -> Lease | None:
+def _take_lease(
+        statements: _Statements, cap: str, n: int, ttl: Ttl, wait: Wait,
+) -> Lease | None:
     _check_cap(cap)
     delay, waiting = _as_ttl(ttl), _as_timedelta(wait)
     sent = time.monotonic()
     try:
-        row = statements.row(_LEASE, (cap, n, delay, waiting))
+        row = statements.take(cap, n, delay, waiting)
     except Exception as e:  # noqa: BLE001 - _lease_failed re-raises all but load
         _lease_failed(cap, e)
         return None
@@ -337,22 +280,25 @@ def _take_lease(statements: Any, cap: str, n: int, ttl: Ttl, wait: Wait) -> Leas
 
 
 @contextmanager
-def stage_e_lease(dsn_or_connection: Any, cap: str, n: int, ttl: Ttl,
-                  wait: Wait = 0) -> Iterator[Lease | None]:
-    """``with stage_e_lease(dsn_or_connection, "exports", 4, ttl=60) as lease:`` holds one of
-    the 4 slots of cap ``exports`` by a token (``lease.slot``, ``lease.token``) for ``ttl``
-    (seconds or a timedelta), waiting up to ``wait`` for one; ``lease`` is None when throttled
-    (counted on the cap's row), as with ``stage_e_slot``. On exit, normal or not, the lease is
-    released by its token. Needs the extension at 0.4.0.
+def stage_e_lease(
+        dsn_or_connection: Any, cap: str, n: int, ttl: Ttl, wait: Wait = 0,
+) -> Iterator[Lease | None]:
+    """``with stage_e_lease(dsn_or_connection, "exports", 4, ttl=60) as lease:``
+    holds one of the 4 slots of cap ``exports`` by a token (``lease.slot``, ``lease.token``)
+    for ``ttl`` (seconds or a timedelta), waiting up to ``wait`` for one; ``lease`` is None
+    when throttled (counted on the cap's row), as with ``stage_e_slot``. On exit, normal or
+    not, the lease is released by its token. Needs the extension at 0.4.0.
 
     A lease belongs to its token, not to a session, so unlike ``stage_e_slot`` it may be taken
-    on any connection: a DSN (this thread's own autocommit connection for it, without
-    server-side prepared statements, re-opened whenever it breaks), a psycopg connection (its
-    statements never prepared), Django's ``django.db.connection``, any DB-API connection. The
-    framework closing that connection mid-region, or a transaction pooler (PgBouncer
-    ``pool_mode = transaction``) running each statement on another server connection, does not
-    lose the slot, and the release lands on whichever connection runs it. What ends a lease
-    early is its ttl: it is freed when the ttl passes (counted as ``expired``), never earlier.
+    on any connection: a DSN (this thread's own autocommit connection for it, aio: the running
+    loop's, without server-side prepared statements, re-opened whenever it breaks) or a
+    connection of your own (its statements never prepared): with the sync API a psycopg
+    connection, Django's ``django.db.connection``, any DB-API connection; with
+    ``stage_e_slots.aio`` a psycopg ``AsyncConnection``. The framework closing that connection
+    mid-region, or a transaction pooler (PgBouncer ``pool_mode = transaction``) running each
+    statement on another server connection, does not lose the slot, and the release lands on
+    whichever connection runs it. What ends a lease early is its ttl: it is freed when the ttl
+    passes (counted as ``expired``), never earlier.
 
     - ``lease.renew(ttl=None)`` extends it (True), or says it is gone (False, ``lease.lost``).
       Nothing renews in the background and nothing is ever interrupted by this helper: a region
@@ -370,9 +316,10 @@ def stage_e_lease(dsn_or_connection: Any, cap: str, n: int, ttl: Ttl,
     - A release that cannot run (the given connection is gone, its transaction aborted, the
       database unreachable) is logged; the slot then comes back when the ttl passes. With a DSN,
       a release whose connection broke is checked and, if need be, run again on a fresh one.
+      The release runs to its end even when the task is being cancelled (aio).
     """
     if isinstance(dsn_or_connection, str):
-        statements: Any = _lease_statements(dsn_or_connection)
+        statements: _Statements = _lease_statements(dsn_or_connection)
     else:
         statements = _ConnectionStatements(dsn_or_connection)
     lease = _take_lease(statements, cap, n, ttl, wait)
@@ -382,6 +329,6 @@ def stage_e_lease(dsn_or_connection: Any, cap: str, n: int, ttl: Ttl,
     try:
         yield lease
     except BaseException as failure:
-        lease._end(failure)
+        _shielded(lease._end, failure)
         raise
-    lease._end(None)
+    _shielded(lease._end, None)

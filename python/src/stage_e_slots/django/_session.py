@@ -16,8 +16,7 @@ stage_e_slots.W001 warns about the configuration before it runs.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,9 +25,57 @@ from django.db import DatabaseError as DjangoDatabaseError
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from .._slots import DEFAULT_CAP, SlotConnection, Wait, log
+from .._common import Wait, log
+from .._slots import SlotConnection
 from .._slots import stage_e_slot as _dedicated_slot
+from .._sync_line import Conn, _Line
 from .conf import dsn, session_connection_alias
+
+
+class _DjangoLine(_Line):
+    """A SlotConnection's line on a Django connection: opened by Django, "usable" only while
+    Django still has it open, and closed through Django."""
+
+    def __init__(self, alias: str, on_drop: Callable[[], None]) -> None:
+        super().__init__(f"django connection {alias!r}", "", 0, prepare=True, on_drop=on_drop)
+        self.alias = alias
+
+    def wrapper(self) -> BaseDatabaseWrapper:
+        return connections[self.alias]
+
+    def replaced(self) -> bool:
+        """Whether Django no longer has the connection our slots were taken on open (it
+        closed it, and maybe opened another since)."""
+        return self.conn is not None and self.wrapper().connection is not self.conn
+
+    def usable(self) -> bool:
+        return super().usable() and not self.replaced()
+
+    def _open(self) -> Conn:
+        wrapper = self.wrapper()
+        try:
+            wrapper.ensure_connection()
+        except DjangoDatabaseError as e:
+            # SlotConnection treats psycopg's OperationalError as "unreachable: throttled".
+            raise psycopg.OperationalError(
+                f"Django's connection {self.alias!r} cannot be opened: {e}") from e
+        raw = wrapper.connection
+        if not isinstance(raw, psycopg.Connection):
+            raise TypeError(
+                f"STAGE_E_SLOTS_SESSION_CONNECTION = {self.alias!r} needs Django's psycopg 3 "
+                f"backend, but that connection is a {type(raw).__module__}."
+                f"{type(raw).__name__}; install psycopg 3 (Django then prefers it) or "
+                "unset the setting to use a dedicated connection")
+        return raw
+
+    def _close(self, conn: Conn) -> None:
+        # Django owns the connection. Close it (through Django, so that Django opens a fresh
+        # one next time) only while it is still Django's current one: that frees its slots, as
+        # SlotConnection's fail-safe wants; a connection Django already replaced is closed, and
+        # the new one holds none of our slots.
+        if self.wrapper().connection is conn:
+            with contextlib.suppress(Exception):  # already broken: nothing more to do
+                self.wrapper().close()
 
 
 class SessionSlotConnection(SlotConnection):
@@ -46,56 +93,14 @@ class SessionSlotConnection(SlotConnection):
     def __init__(self, alias: str = "default") -> None:
         super().__init__(f"django connection {alias!r}")
         self.alias = alias
+        self._line = self._django = _DjangoLine(alias, self._held.clear)
 
-    def _wrapper(self) -> BaseDatabaseWrapper:
-        return connections[self.alias]
-
-    def _replaced(self) -> bool:
-        """Whether Django no longer has the connection our slots were taken on open (it
-        closed it, and maybe opened another since)."""
-        return self._conn is not None and self._wrapper().connection is not self._conn
-
-    def _usable(self) -> bool:
-        return super()._usable() and not self._replaced()
-
-    def _connection(self) -> psycopg.Connection:
-        if self._conn is not None and not self._usable():
-            self._drop()
-        if self._conn is None:
-            wrapper = self._wrapper()
-            try:
-                wrapper.ensure_connection()
-            except DjangoDatabaseError as e:
-                # SlotConnection treats psycopg's OperationalError as "unreachable: throttled".
-                raise psycopg.OperationalError(
-                    f"Django's connection {self.alias!r} cannot be opened: {e}") from e
-            raw = wrapper.connection
-            if not isinstance(raw, psycopg.Connection):
-                raise TypeError(
-                    f"STAGE_E_SLOTS_SESSION_CONNECTION = {self.alias!r} needs Django's psycopg 3 "
-                    f"backend, but that connection is a {type(raw).__module__}."
-                    f"{type(raw).__name__}; install psycopg 3 (Django then prefers it) or "
-                    "unset the setting to use a dedicated connection")
-            self._conn = raw
-            self._pid = os.getpid()
-        return self._conn
-
-    def _drop(self) -> None:
-        # Django owns the connection. Close it (through Django, so that Django opens a fresh
-        # one next time) only while it is still Django's current one: that frees its slots, as
-        # SlotConnection's fail-safe wants; a connection Django already replaced is closed, and
-        # the new one holds none of our slots.
-        conn, self._conn = self._conn, None
-        self._held.clear()
-        if conn is not None and self._pid == os.getpid() and self._wrapper().connection is conn:
-            with contextlib.suppress(Exception):  # already broken: nothing more to do
-                self._wrapper().close()
-
-    def release(self, slot: int, *, cap: str = DEFAULT_CAP) -> bool:
-        if self._replaced() and self._pid == os.getpid():
+    def _release(self, slot: int, cap: str, generation: int | None) -> bool:
+        # Every release, a region's end's included, comes here.
+        if self._django.replaced() and self._django.forked_from() is None:
             # Not released on the new session: there it would be a foreign release (counted,
             # warned about), and the slot is free anyway, freed when its session closed.
-            wrapper = self._wrapper()
+            wrapper = self._django.wrapper()
             log.error("stage_e_slots: slot %s of cap %r was lost: Django closed its connection "
                       "%r during the region (with CONN_MAX_AGE = %r, any close_old_connections() "
                       "does, as django-q2's ORM broker does on enqueue), and the slot went with "
@@ -105,7 +110,7 @@ class SessionSlotConnection(SlotConnection):
                       self.alias, wrapper.settings_dict.get("CONN_MAX_AGE", 0))
             self._held.get(cap, set()).discard(slot)
             return False
-        return super().release(slot, cap=cap)
+        return super()._release(slot, cap, generation)
 
 
 @contextmanager

@@ -1,0 +1,225 @@
+"""Session slots on a dedicated connection: ``AsyncSlotConnection``, ``connection_for`` and
+``stage_e_slot`` of ``stage_e_slots.aio``, and the one source of the sync API's
+``SlotConnection``, ``connection_for`` and ``stage_e_slot``: scripts/generate_sync.py generates
+``_slots.py`` from this file (``make lint`` checks that it is current). Write it so that taking
+out ``async``/``await`` leaves the sync code; what differs runs on the connection machinery,
+``_aio_line`` here and ``_sync_line`` there, whose interfaces match. Private: the docs are
+``stage_e_slots``' and ``stage_e_slots.aio``'s."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+
+from ._aio_line import APP_SUFFIX, AsyncConn, Row, _connections, _fetch, _Line, _shielded
+from ._common import (
+    _HOLDERS,
+    DEFAULT_CAP,
+    Wait,
+    _as_timedelta,
+    _check_cap,
+    _slot_query,
+    _Unreachable,
+    log,
+)
+
+
+class AsyncSlotConnection:
+    """One dedicated autocommit connection for taking and releasing slots of any cap.
+    ``connection_for(dsn)`` is this thread's (with ``stage_e_slots.aio``: the running event
+    loop's, whose tasks take turns on it; the methods are then coroutines and ``slot()`` an
+    async context manager)."""
+
+    def __init__(self, dsn: str, *, application_name: str | None = None,
+                 connect_timeout: int = 5) -> None:
+        self.dsn = dsn
+        self.application_name = application_name or f"stage_e_slot:{os.getpid()}{APP_SUFFIX}"
+        self.connect_timeout = connect_timeout
+        # Slots the regions of this connection hold, per cap (to find any they did not hear of).
+        self._held: dict[str, set[int]] = {}
+        self._line = _Line(dsn, self.application_name, connect_timeout, prepare=True,
+                           on_drop=self._held.clear)
+
+    @property
+    def _conn(self) -> AsyncConn | None:
+        """The session, when one is open."""
+        return self._line.conn
+
+    async def _connection(self) -> AsyncConn:
+        """The session, opened if there is none."""
+        async with self._line.turn(connect=True) as turn:
+            return turn.connection
+
+    async def try_slot(self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0) -> int | None:
+        """A slot of `cap` (in [0, n)), waiting up to `wait` (seconds or a timedelta) for one;
+        None when throttled or when no slot can be had."""
+        got, _ = await self._take(n, 1, cap, wait)
+        return None if got is None else got[0]
+
+    async def try_slots(
+            self, n: int, k: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0,
+    ) -> list[int] | None:
+        """k distinct slots of `cap` (in [0, n)), all or none, waiting up to `wait` for them
+        (in arrival order with the cap's other waiters); None when they could not all be had."""
+        got, _ = await self._take(n, k, cap, wait)
+        return got
+
+    async def _take(self, n: int, k: int, cap: str, wait: Wait) -> tuple[list[int] | None, int]:
+        _check_cap(cap)
+        seconds = _as_timedelta(wait).total_seconds()
+        taken: list[int] | None = None
+
+        def got(row: Row | None) -> bool:
+            nonlocal taken
+            slots = row[0] if row is not None else None
+            if slots is None or slots[0] is None:
+                return False
+            taken = [int(s) for s in slots]
+            self._held.setdefault(cap, set()).update(taken)
+            return True
+
+        async def recover(conn: AsyncConn, why: str) -> None:
+            await self._release_unknown(conn, cap, why)
+
+        try:
+            generation = await self._line.call(
+                lambda s: _slot_query(cap, n, k, s), seconds, got=got, recover=recover)
+        except _Unreachable as e:
+            log.warning("stage_e_slot: treating as throttled (cap %r), cannot reach the "
+                        "database: %s", cap, e)
+            return None, -1
+        except psycopg.OperationalError as e:
+            # The session is fine (and may hold other caps' slots): it is kept, and any slot of
+            # this cap the server took for the failed call was given back (`recover`).
+            log.error("stage_e_slot: treating as throttled (cap %r), the server refused the "
+                      "slot: %s", cap, e)
+            return None, -1
+        return taken, generation
+
+    async def _release_unknown(self, conn: AsyncConn, cap: str, why: str) -> None:
+        """Releases this session's slots of `cap` that no region holds: taken by `why`."""
+        try:
+            cur = await conn.execute(_HOLDERS, (cap,))
+            for (slot,) in await cur.fetchall():
+                if slot not in self._held.get(cap, set()):
+                    await conn.execute("SELECT stage_e_release(%s, %s)", (cap, slot))
+                    log.log(logging.ERROR if why == "a call that then failed" else logging.WARNING,
+                            "stage_e_slot: released slot %s of cap %r, taken by %s whose "
+                            "answer was lost", slot, cap, why)
+        except psycopg.Error as e:
+            log.error("stage_e_slot: could not check the slots of cap %r after %s (%s); closing "
+                      "the connection", cap, why, e)
+            self._line.drop()
+
+    async def release(self, slot: int, *, cap: str = DEFAULT_CAP) -> bool:
+        """Gives the slot of `cap` back; False (logged) if this connection no longer held it. A
+        release that fails closes the connection, which frees the slot (and every other slot
+        it held); a release never opens a new connection."""
+        _check_cap(cap)
+        return await _shielded(self._release, slot, cap, None)
+
+    async def _release(self, slot: int, cap: str, generation: int | None) -> bool:
+        line = self._line
+        parent = line.forked_from()
+        if parent is not None:
+            log.error("stage_e_slot: slot %s of cap %r belongs to the connection of process %s; "
+                      "a forked child does not release it", slot, cap, parent)
+            line.drop()
+            return False
+        try:
+            async with line.turn(connect=False) as turn:
+                conn = turn.conn
+                if conn is None or (generation is not None and generation != line.generation):
+                    # Another session's release would only be a foreign release: the session
+                    # that took the slot is gone, and the slot with it.
+                    log.error("stage_e_slot: slot %s of cap %r was lost with its connection "
+                              "before its release: the cap did not bind for this region",
+                              slot, cap)
+                    return False
+                self._held.get(cap, set()).discard(slot)
+                try:
+                    row = await _fetch(conn, "SELECT stage_e_release(%s, %s)", (cap, slot))
+                except BaseException as e:  # any failure: drop the session, which frees it
+                    log.error("stage_e_slot: release of slot %s failed (cap %r: %s); closing the "
+                              "connection, which frees it and any other slot it held", slot,
+                              cap, e or type(e).__name__)
+                    line.drop()
+                    if not isinstance(e, Exception):
+                        raise
+                    return False
+        except RuntimeError as e:  # aio: the connection belongs to another loop
+            log.error("stage_e_slot: slot %s of cap %r cannot be released here: %s", slot, cap,
+                      e)
+            return False
+        released = bool(row is not None and row[0])
+        if not released:
+            log.error("stage_e_slot: slot %s of cap %r was no longer held by this connection "
+                      "when released: the cap did not bind for this region", slot, cap)
+        return released
+
+    async def holding(self, slot: int, *, cap: str = DEFAULT_CAP) -> bool:
+        """Whether this connection still holds the slot of `cap` (check before committing)."""
+        _check_cap(cap)
+        try:
+            row = await self._line.one(
+                "SELECT stage_e_holding(%s, %s)", (cap, slot), connect=False)
+        except _Unreachable as e:
+            if e.__cause__ is not None:  # the session broke under the question
+                log.error("stage_e_slot: cannot tell whether slot %s of cap %r is held (%s); "
+                          "treating it as not held", slot, cap, e)
+            return False  # a new session would hold nothing
+        except (psycopg.DataError, psycopg.ProgrammingError):
+            raise  # bad arguments, or the extension is missing: a bug, not a lost slot
+        except psycopg.Error as e:
+            log.error("stage_e_slot: cannot tell whether slot %s of cap %r is held (%s); "
+                      "treating it as not held", slot, cap, e)
+            return False
+        return bool(row is not None and row[0])
+
+    @asynccontextmanager
+    async def slot(
+            self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0, k: int = 1,
+    ) -> AsyncIterator[Any]:
+        """Yields a held slot of `cap` (with k > 1, a list of k slots), released on exit
+        whatever happens, or None when throttled; waits up to `wait` for it."""
+        slots, generation = await self._take(n, k, cap, wait)
+        try:
+            yield None if slots is None else (slots[0] if k == 1 else slots)
+        finally:
+            if slots:
+                await _shielded(self._release_all, slots, cap, generation)
+
+    async def _release_all(self, slots: list[int], cap: str, generation: int) -> None:
+        for slot in slots:
+            await self._release(slot, cap, generation)
+
+    async def close(self) -> None:
+        """Closes the connection (which frees every slot it holds)."""
+        self._line.drop()
+
+
+def connection_for(dsn: str) -> AsyncSlotConnection:
+    """This thread's dedicated AsyncSlotConnection for `dsn` (with ``stage_e_slots.aio``: the
+    running event loop's), made on first use."""
+    conns = _connections("stage_e_slots.aio.connection_for").slots
+    found: AsyncSlotConnection | None = conns.get(dsn)
+    if found is None:
+        found = conns[dsn] = AsyncSlotConnection(dsn)
+    return found
+
+
+@asynccontextmanager
+async def stage_e_slot(
+        dsn: str, cap: str = DEFAULT_CAP, *, n: int, wait: Wait = 0, k: int = 1,
+) -> AsyncIterator[Any]:
+    """``async with stage_e_slot(dsn, "exports", n=4) as slot:`` on the dedicated connection of
+    ``connection_for(dsn)``; ``stage_e_slot(dsn, n=8)`` is the cap ``default``. ``wait=``
+    (seconds or a timedelta) waits that long for a slot; ``k=3`` takes three at once (a
+    list)."""
+    async with connection_for(dsn).slot(n, cap=cap, wait=wait, k=k) as slot:
+        yield slot
