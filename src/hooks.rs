@@ -23,11 +23,11 @@
 //! backend that never takes a slot pays nothing. So this module sits above `slots` (whose
 //! `held` it calls) and `session` (whose state it settles), and nothing below calls it.
 
+use crate::backend::BackendLocal;
 use crate::session;
 use crate::shmem;
 use crate::slots::held;
 use pgrx::pg_sys;
-use session::BackendLocal;
 use std::cell::Cell;
 
 static REGISTERED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));

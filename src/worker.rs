@@ -21,9 +21,9 @@
 //! looked for every second while any lease is live; counters keep their own interval.
 
 use crate::durable;
-use crate::errors;
 use crate::flush::{self, Write};
 use crate::gucs;
+use crate::report;
 use crate::session;
 use crate::shmem;
 use crate::slots;
@@ -413,19 +413,19 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         let ext = sql::extension();
         let loaded = shmem::loaded(db.to_u32());
         if loaded.is_none() {
-            if let Err(e) = durable::load(db.to_u32(), ext.as_ref()) {
-                errors::fail(format!(
+            if let Err(e) = durable::load(db.to_u32(), ext.as_ref(), &slots::adapt::restore) {
+                report::fail(format!(
                     "stage_e_slots: could not load database {}: {e}",
                     db.to_u32()
                 ));
             }
         } else if loaded != Some(ext.as_ref().is_some_and(|e| e.version.has_lease_horizon())) {
             // Updated (or the extension dropped) since it was loaded.
-            durable::load(db.to_u32(), ext.as_ref()).ok();
+            durable::load(db.to_u32(), ext.as_ref(), &slots::adapt::restore).ok();
         }
         let written = match &ext {
             Some(ext) => durable::advance(ext).unwrap_or_else(|e| {
-                errors::fail(format!(
+                report::fail(format!(
                     "stage_e_slots: could not write the lease horizons of database {}: {e}",
                     db.to_u32()
                 ))
@@ -433,10 +433,11 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
             None => Vec::new(),
         };
         if counters {
+            crate::hooks::ensure(); // settles the flush at the transaction's end
             match flush::flush(Write::Add, None, false) {
                 Ok(Some(_)) => {}
                 Ok(None) => drop_orphaned(db),
-                Err(e) => errors::fail(format!(
+                Err(e) => report::fail(format!(
                     "stage_e_slots: flush of database {} failed: {e}",
                     db.to_u32()
                 )),
@@ -445,7 +446,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         // Adaptive caps' learned limits, so that a restart resumes from them.
         let limits = match &ext {
             Some(ext) => slots::adapt::write_limits(ext).unwrap_or_else(|e| {
-                errors::fail(format!(
+                report::fail(format!(
                     "stage_e_slots: could not write the adaptive limits of database {}: {e}",
                     db.to_u32()
                 ))
@@ -456,7 +457,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
             let keep = written.iter().filter_map(|w| w.name()).collect();
             match flush::expire(ext, retention, keep) {
                 Ok((0, _)) => {}
-                Ok((rows, horizons)) => errors::log(format!(
+                Ok((rows, horizons)) => report::log(format!(
                     "stage_e_slots: deleted the counter rows of {rows} cap(s) of database \"{}\" \
                      unused for longer than stage_e_slots.counter_retention ({} s){}{}",
                     sql::current_database(),
@@ -472,7 +473,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
                         ""
                     }
                 )),
-                Err(e) => errors::fail(format!(
+                Err(e) => report::fail(format!(
                     "stage_e_slots: the counter retention of database {} failed: {e}",
                     db.to_u32()
                 )),

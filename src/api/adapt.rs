@@ -2,8 +2,10 @@
 //! `stage_e_cap_limits` (`sql/schema/views.sql`). Both changes are restricted (EXECUTE revoked
 //! from PUBLIC, `sql/schema/privileges.sql`): a cap's limit binds every role that uses it.
 
+use super::CapArg;
 use crate::errors::raise;
-use crate::names::{CapArg, Text};
+use crate::hooks;
+use crate::names::Text;
 use crate::slots;
 use crate::sql;
 use pgrx::datetime::TimestampWithTimeZone;
@@ -19,12 +21,14 @@ fn stage_e_adapt(
     max_slots: Option<i32>,
     enforce: default!(Option<bool>, "true"),
 ) {
+    hooks::ensure(); // applies the change at the commit
     slots::adapt::adapt(cap.as_deref(), min_slots, max_slots, enforce).unwrap_or_else(|e| raise(e))
 }
 
 /// Returns cap `cap` to the caller's n alone, from the commit of the calling transaction.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_adapt_off(cap: Option<CapArg<'_>>) {
+    hooks::ensure(); // applies the change at the commit
     slots::adapt::adapt_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
 }
 

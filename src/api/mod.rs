@@ -10,10 +10,38 @@
 //! versions whose shape changed, or that were retired, keep their C symbols in `compat`.
 
 use crate::errors::raise;
-use crate::slots::SlotError;
+use crate::failures::SlotError;
+use crate::names;
 use crate::sql;
+use pgrx::callconv::{Arg, ArgAbi};
 use pgrx::prelude::*;
 use stage_e_core::wait::{self, Wait};
+use std::borrow::Cow;
+
+/// A cap name argument: SQL `text`, as UTF-8 (converted from the server encoding when the
+/// function is called, see `names`' doc). Dereferences to the name.
+pub struct CapArg<'fcx>(Cow<'fcx, str>);
+
+impl std::ops::Deref for CapArg<'_> {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+// SAFETY: the SQL type is `text` (below), whose datum is a varlena, which is what `&[u8]`
+// unboxes; a NULL argument never reaches `unbox_arg_unchecked` (`Option<CapArg>` checks it, and
+// the default `unbox_nullable_arg` does).
+unsafe impl<'fcx> ArgAbi<'fcx> for CapArg<'fcx> {
+    unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
+        // SAFETY: per the trait's contract, a non-NULL `text` argument.
+        let bytes: &'fcx [u8] = unsafe { arg.unbox_unchecked() };
+        CapArg(names::name_in(bytes).unwrap_or_else(|e| raise(e)))
+    }
+}
+
+pgrx::impl_sql_translatable!(CapArg<'_>, arg_only = "TEXT");
 
 /// Defines a `#[pg_extern]` returning rows of some leading columns followed by the counters,
 /// so the counter columns are listed in one place (`stage_e_core::counters`' list, passed in by

@@ -22,6 +22,7 @@ use super::entry::{CapEntry, Identity};
 use super::launcher::request_flush;
 use super::segment::{directory_locked, segment, Segment, EXCLUSIVE, SHARED};
 use super::Cap;
+use crate::failures::{CapError, Pool};
 use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena;
@@ -29,33 +30,6 @@ use stage_e_core::directory;
 use stage_e_core::share;
 use stage_e_core::state::{CapRef, Refused};
 use std::sync::atomic::Ordering;
-
-/// Why a cap could not be created or grown.
-#[derive(Debug, PartialEq)]
-pub enum CapError {
-    /// `max_caps` caps are in use (held slots, or counts not yet flushed).
-    NoEntry { max_caps: u32, held: u32 },
-    /// The arena has no block large enough.
-    NoMemory { slots: u32 },
-    /// Another cap of this database uses the same lock key (a key that cannot move: the
-    /// `default` cap's, or any key in a database not yet updated to 0.7.0).
-    KeyCollision { other: String, key: i32 },
-    /// Every key the book covers is held (the create reads the book again, covering more).
-    KeysExhausted { covered: u32 },
-    /// The cap stayed pinned too long to be grown (a backend died mid-call).
-    Busy,
-    /// This database holds its share (`stage_e_slots.database_share`, `share` percent) of
-    /// `pool`: `limit` caps or slot-memory pages.
-    OverShare { pool: Pool, share: u32, limit: u64 },
-}
-
-/// A server-wide pool that databases share.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pool {
-    Caps,
-    SlotMemory,
-    Leases,
-}
 
 /// How long a create waits for a flush round to make idle caps reclaimable.
 const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(1_000);
@@ -394,7 +368,7 @@ impl Segment {
                     p.acquired, p.throttled
                 )
             };
-            crate::errors::log(format!(
+            crate::report::log(format!(
                 "stage_e_slots: reclaimed cap \"{}\" of dropped database {}{counts}",
                 e.name(),
                 e.database(),
@@ -616,7 +590,7 @@ pub fn reclaim_database(db: u32) {
     for cap in caps(Some(db)) {
         let ended = cap.expire_leases(i64::MAX);
         if !ended.is_empty() {
-            crate::errors::log(format!(
+            crate::report::log(format!(
                 "stage_e_slots: freed {} lease{} of cap \"{}\" of dropped database {db}",
                 ended.len(),
                 if ended.len() == 1 { "" } else { "s" },

@@ -40,7 +40,7 @@ pub use adaptive::{
 };
 pub use caps::{
     busy_caps, cap_refs, caps, create, databases, databases_with_pending, first_key, grow, key_now,
-    lookup, reclaim_database, usage, CapError, Pool,
+    lookup, reclaim_database, usage,
 };
 #[cfg(any(test, feature = "pg_test"))]
 pub use caps::{pin_state, reclaim_now};

@@ -11,7 +11,7 @@
 use super::entry::{CapEntry, SlotRecord};
 use super::segment::{self, segment};
 use super::Cap;
-use crate::session::BackendLocal;
+use crate::backend::BackendLocal;
 use pgrx::pg_sys;
 use stage_e_core::state::{CapRef, Refused};
 use std::cell::Cell;

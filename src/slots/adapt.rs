@@ -47,8 +47,7 @@ pub fn adapt(
             DatumWithOid::from(learned),
         ],
     )
-    .unwrap_or_else(|e| crate::errors::fail(format!("stage_e_adapt: {e}")));
-    crate::hooks::ensure();
+    .unwrap_or_else(|e| crate::report::fail(format!("stage_e_adapt: {e}")));
     let log = format!(
         "stage_e_slots: role \"{}\" made cap \"{name}\" of database \"{}\" adaptive between {} \
          and {} slots ({})",
@@ -71,8 +70,7 @@ pub fn adapt_off(cap: Option<&str>) -> Result<(), SlotError> {
         return Err(SlotError::NotLoaded);
     };
     sql::write(&sql::adapt_off_query(&ext), &[DatumWithOid::from(name)])
-        .unwrap_or_else(|e| crate::errors::fail(format!("stage_e_adapt_off: {e}")));
-    crate::hooks::ensure();
+        .unwrap_or_else(|e| crate::report::fail(format!("stage_e_adapt_off: {e}")));
     let log = format!(
         "stage_e_slots: role \"{}\" returned cap \"{name}\" of database \"{}\" to the callers' n \
          alone (stage_e_adapt_off)",
@@ -92,7 +90,7 @@ pub fn apply_committed(changes: Vec<session::PendingPolicy>) {
     let now = session::now();
     for c in changes {
         match shmem::apply_policy(db, &c.cap, c.change, now) {
-            Ok(()) => crate::errors::log(c.log),
+            Ok(()) => crate::report::log(c.log),
             Err(e) => {
                 pgrx::warning!(
                     "stage_e_slots: cap \"{}\" is not adaptive: all {} adaptive policy records \
@@ -130,7 +128,7 @@ pub fn tick() {
                 1 => "; 1 change since the last line".into(),
                 k => format!("; {k} changes since the last line"),
             };
-            crate::errors::log(format!(
+            crate::report::log(format!(
                 "stage_e_slots: limit of cap \"{}\" of database \"{db}\": {}{also}",
                 m.cap,
                 m.step.describe()
@@ -193,7 +191,7 @@ pub fn restore(ext: &sql::Extension) -> Result<(), String> {
             Bounds::new(min.clamp(1, max), max, max_slots).map_err(|e| format!("{e:?}"))?;
         let limit = limit.map(|l| l.max(0) as u32);
         if let Err(e) = shmem::restore_policy(db, &cap, bounds, enforce, limit, baseline, now) {
-            crate::errors::log(format!(
+            crate::report::log(format!(
                 "stage_e_slots: cap \"{cap}\" is not adaptive after the restart: all {} adaptive \
                  policy records (stage_e_slots.max_adaptive_caps) are in use",
                 e.max

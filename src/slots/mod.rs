@@ -17,18 +17,18 @@
 
 pub mod adapt;
 pub mod durable;
-mod error;
 pub mod held;
 pub mod views;
 pub mod waiting;
 
-pub use error::{NamedError, SlotError};
+pub use crate::failures::{NamedError, SlotError};
 pub use views::{held_back, holders, load, stats, waiters};
 
+use crate::failures::CapError;
 use crate::gucs;
 use crate::locks::{self, Probe};
 use crate::session::{self, Held};
-use crate::shmem::{self, Cap, CapError, Counter};
+use crate::shmem::{self, Cap, Counter};
 use stage_e_core::directory;
 use stage_e_core::histogram::Metric;
 use stage_e_core::occupancy;
@@ -519,7 +519,7 @@ fn grant_lease(cap: &Cap, key: i32, slot: u32, token: u64, ttl_us: i64) -> Resul
         Err(shmem::LeaseRefused::OverShare) => Err(SlotError::named(
             cap.name(),
             NamedError::Cap(CapError::OverShare {
-                pool: shmem::Pool::Leases,
+                pool: crate::failures::Pool::Leases,
                 share,
                 limit,
             }),
@@ -557,7 +557,7 @@ fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
     cap.observe(Metric::Hold, held as u64);
     // The token is a key to the slot: the server log only, never the client of this backend
     // (which may be another role's, with client_min_messages = log).
-    crate::errors::log_server_only(format!(
+    crate::report::log_server_only(format!(
         "stage_e_slots: lease of slot {} of cap \"{}\" (token {}, taken by pid {}) expired; \
          freed after {:.3} s held, {:.3} s past its expiry",
         lease.slot,
@@ -597,7 +597,7 @@ pub fn end_database() {
     }
     let (pending, _) = crate::flush::discard_pending(session::database());
     if leases + pending > 0 {
-        crate::errors::log(format!(
+        crate::report::log(format!(
             "stage_e_slots: the extension was dropped from database {}: freed {leases} \
              lease(s) and dropped the pending counters of {pending} cap(s)",
             session::database()
