@@ -10,7 +10,7 @@
 //! - At subtransaction end, a flush made in it is settled or handed to its parent, and so are
 //!   the adaptive policy changes made in it.
 //! - At commit, the policy changes of `stage_e_adapt` / `stage_e_adapt_off` (whose rows the
-//!   transaction wrote) reach shared memory (`slots::adapt::apply_committed`); an abort drops
+//!   transaction wrote) reach shared memory (`slots::limits::apply_committed`); an abort drops
 //!   them with the rows.
 //! - `DROP EXTENSION stage_e_slots` (also through `DROP SCHEMA ... CASCADE` or `DROP OWNED`) is
 //!   noticed by an object-access hook, installed in `_PG_init` (the one hook every backend
@@ -130,7 +130,7 @@ unsafe extern "C-unwind" fn on_xact_end(
         }
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
             session::settle_flush(true);
-            crate::slots::adapt::apply_committed(session::take_policies(true));
+            crate::slots::limits::apply_committed(session::take_policies(true));
             if DROPPED_IN.take().is_some() {
                 crate::slots::end_database();
             }

@@ -14,7 +14,7 @@
 //! 4. `shmem`: shared state, one file per concern (report, failures, gucs, backend)
 //! 5. `session`: this backend's state and identity (shmem, names, gucs, ffi, backend)
 //! 6. `keys`, `flush`: which advisory locks are a cap's slots; durable counts (session, sql, ...)
-//! 7. `durable`: loading and advancing the lease horizons (keys, session, shmem, sql, report)
+//! 7. `horizons`: loading and advancing the lease horizons (keys, session, shmem, sql, report)
 //! 8. `slots`: acquire, release, leases, waiting, adaptive caps, lifecycle (everything below)
 //! 9. `hooks`: exit and transaction-end callbacks, `DROP EXTENSION` (slots, session, shmem)
 //! 10. `errors`, `worker`: the refusals in words (SQLSTATE, detail, hint); launcher, flushers
@@ -25,13 +25,13 @@
 mod api;
 mod backend;
 mod compat;
-mod durable;
 mod errors;
 mod failures;
 mod ffi;
 mod flush;
 mod gucs;
 mod hooks;
+mod horizons;
 mod keys;
 mod locks;
 mod names;

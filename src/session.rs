@@ -49,7 +49,7 @@ static DEFAULT: BackendLocal<Cell<Option<CapRef>>> = BackendLocal::new(Cell::new
 /// The queue this backend waits in, if it is waiting (for the exit hook).
 static WAITING: BackendLocal<Cell<Option<(CapRef, Ticket)>>> = BackendLocal::new(Cell::new(None));
 static RECOVERY_DONE: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
-/// Whether this backend has seen its database's durable state loaded (`slots::durable`): once
+/// Whether this backend has seen its database's durable state loaded (`slots::admission`): once
 /// loaded, it stays loaded for the life of the segment, which outlives this backend.
 static DATABASE_LOADED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
 static FLUSH: BackendLocal<RefCell<Option<Flush>>> = BackendLocal::new(RefCell::new(None));

@@ -20,9 +20,9 @@
 //! are due. Those are asked for by backends (an advance, a load: the launcher runs at once) and
 //! looked for every second while any lease is live; counters keep their own interval.
 
-use crate::durable;
 use crate::flush::{self, Write};
 use crate::gucs;
+use crate::horizons;
 use crate::report;
 use crate::session;
 use crate::shmem;
@@ -93,9 +93,9 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
             slots::expire_leases_everywhere();
             last_sample = Some(now);
         }
-        let adaptive = slots::adapt::any();
+        let adaptive = slots::limits::any();
         if adaptive && last_adapt.is_none_or(|t| now >= t + ADAPT_EVERY) {
-            slots::adapt::tick();
+            slots::limits::tick();
             last_adapt = Some(now);
         }
         let due = last_round + interval;
@@ -265,7 +265,7 @@ fn durable_work() -> Vec<u32> {
     let mut dbs = shmem::databases_to_load();
     dbs.extend(shmem::databases_with_horizon_work(
         session::now(),
-        durable::JOURNAL_EVERY_US,
+        horizons::JOURNAL_EVERY_US,
     ));
     dbs.sort_unstable();
     dbs.dedup();
@@ -293,7 +293,7 @@ fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>, failing: &mut Fai
         for db in shmem::databases_with_pending() {
             add(db, COUNTERS_BIT);
         }
-        // Learned limits are written by any flusher of their database (`slots::adapt`).
+        // Learned limits are written by any flusher of their database (`slots::limits`).
         for db in shmem::databases_with_limits_to_write() {
             add(db, 0);
         }
@@ -352,7 +352,7 @@ fn reclaim_dropped() {
     for db in dbs {
         if !BackgroundWorker::transaction(|| session::database_exists(db)) {
             shmem::reclaim_database(db);
-            slots::adapt::end_database(db);
+            slots::limits::end_database(db);
         }
     }
 }
@@ -413,7 +413,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         let ext = sql::extension();
         let loaded = shmem::loaded(db.to_u32());
         if loaded.is_none() {
-            if let Err(e) = durable::load(db.to_u32(), ext.as_ref(), &slots::adapt::restore) {
+            if let Err(e) = horizons::load(db.to_u32(), ext.as_ref(), &slots::limits::restore) {
                 report::fail(format!(
                     "stage_e_slots: could not load database {}: {e}",
                     db.to_u32()
@@ -421,10 +421,10 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
             }
         } else if loaded != Some(ext.as_ref().is_some_and(|e| e.version.has_lease_horizon())) {
             // Updated (or the extension dropped) since it was loaded.
-            durable::load(db.to_u32(), ext.as_ref(), &slots::adapt::restore).ok();
+            horizons::load(db.to_u32(), ext.as_ref(), &slots::limits::restore).ok();
         }
         let written = match &ext {
-            Some(ext) => durable::advance(ext).unwrap_or_else(|e| {
+            Some(ext) => horizons::advance(ext).unwrap_or_else(|e| {
                 report::fail(format!(
                     "stage_e_slots: could not write the lease horizons of database {}: {e}",
                     db.to_u32()
@@ -445,7 +445,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         }
         // Adaptive caps' learned limits, so that a restart resumes from them.
         let limits = match &ext {
-            Some(ext) => slots::adapt::write_limits(ext).unwrap_or_else(|e| {
+            Some(ext) => slots::limits::write_limits(ext).unwrap_or_else(|e| {
                 report::fail(format!(
                     "stage_e_slots: could not write the adaptive limits of database {}: {e}",
                     db.to_u32()
@@ -484,7 +484,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
     let (written, limits) = written;
     shmem::limits_written(db.to_u32(), &limits);
     // Committed: grants may now rely on it.
-    durable::publish(written);
+    horizons::publish(written);
     shmem::note_flusher_commit(db.to_u32());
 }
 

@@ -22,14 +22,14 @@ fn stage_e_adapt(
     enforce: default!(Option<bool>, "true"),
 ) {
     hooks::ensure(); // applies the change at the commit
-    slots::adapt::adapt(cap.as_deref(), min_slots, max_slots, enforce).unwrap_or_else(|e| raise(e))
+    slots::limits::adapt(cap.as_deref(), min_slots, max_slots, enforce).unwrap_or_else(|e| raise(e))
 }
 
 /// Returns cap `cap` to the caller's n alone, from the commit of the calling transaction.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_adapt_off(cap: Option<CapArg<'_>>) {
     hooks::ensure(); // applies the change at the commit
-    slots::adapt::adapt_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
+    slots::limits::adapt_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
 }
 
 /// One row per adaptive cap of the current database: its limit, bounds, what it learned, and
@@ -51,7 +51,7 @@ fn stage_e_cap_limits_internal() -> TableIterator<
         name!(reason, Text),
     ),
 > {
-    let rows = slots::adapt::cap_limits().unwrap_or_else(|e| raise(e));
+    let rows = slots::limits::cap_limits().unwrap_or_else(|e| raise(e));
     let us = |x: Option<f64>| x.map(|us| sql::interval_us(us.round() as u64));
     TableIterator::new(rows.into_iter().map(move |r| {
         (

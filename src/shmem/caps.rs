@@ -17,7 +17,7 @@
 //! create fail; a create that finds everything in use asks the launcher for a flush round (so
 //! idle caps' counts reach their rows) and waits up to [`ROOM_WAIT`] for it.
 
-use super::durable;
+use super::committed;
 use super::entry::{CapEntry, Identity};
 use super::launcher::request_flush;
 use super::segment::{directory_locked, segment, Segment, EXCLUSIVE, SHARED};
@@ -606,7 +606,7 @@ pub fn reclaim_database(db: u32) {
         }
     });
     if !seg.live().any(|e| e.database() == db) {
-        durable::forget_database(db);
+        committed::forget_database(db);
     }
 }
 

@@ -12,8 +12,8 @@
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
 
+use super::committed::Durable;
 use super::counters::{Counters, HotCounters};
-use super::durable::Durable;
 use super::histograms::Histograms;
 use stage_e_core::front::Front;
 use stage_e_core::load::Averages;

@@ -25,7 +25,7 @@
 //! own token (`restore_lease`): at start from the lease file of a clean shutdown, by the loader
 //! from the journal after a crash or a promotion. Its record names pid 0 (no live backend).
 
-use super::durable;
+use super::committed;
 use super::entry::CapEntry;
 use super::pin::pin;
 use super::segment::segment;
@@ -170,13 +170,13 @@ impl Cap {
         share_limit: u64,
     ) -> Result<(), LeaseRefused> {
         let db = self.database();
-        if !durable::take_lease_share(db, Some(share_limit)) {
+        if !committed::take_lease_share(db, Some(share_limit)) {
             return Err(LeaseRefused::OverShare);
         }
         // SAFETY: this process's pid, set at start.
         let pid = unsafe { pg_sys::MyProcPid };
         if !self.record_lease(Taker { pid, owner }, slot, token, now, expires_at) {
-            durable::give_lease_share(db);
+            committed::give_lease_share(db);
             return Err(LeaseRefused::NoRecord);
         }
         Ok(())
@@ -199,7 +199,7 @@ impl Cap {
         let Some(claim) = occupancy::claim_first_free(self.bits(), slot, slot + 1) else {
             return false;
         };
-        durable::take_lease_share(self.database(), None);
+        committed::take_lease_share(self.database(), None);
         if !self.record_lease(
             Taker { pid: 0, owner },
             slot,
@@ -207,7 +207,7 @@ impl Cap {
             acquired_at,
             expires_at,
         ) {
-            durable::give_lease_share(self.database());
+            committed::give_lease_share(self.database());
             return false; // dropping the claim clears the bit
         }
         claim.keep();
@@ -274,7 +274,7 @@ impl Cap {
         self.record(info.slot).clear();
         occupancy::clear(self.bits(), info.slot);
         self.entry().counters.leases.fetch_sub(1, Ordering::AcqRel);
-        durable::give_lease_share(self.database());
+        committed::give_lease_share(self.database());
         r.state.free();
         self.note_lease_change();
         self.wake_front();

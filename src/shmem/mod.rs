@@ -19,10 +19,9 @@
 //! Outside this folder, shared memory is reached only through a pinned [`Cap`] and the
 //! functions re-exported here.
 
-mod adaptive;
 mod caps;
+mod committed;
 mod counters;
-mod durable;
 mod entry;
 mod histograms;
 mod launcher;
@@ -30,32 +29,34 @@ mod leases;
 mod load;
 mod persist;
 mod pin;
+mod policies;
 mod segment;
 mod waitq;
 
-pub use adaptive::{
-    adapt_tick, apply_policy, cap_limits, clear_policies, databases_with_limits_to_write,
-    learned_limit, limits_to_write, limits_written, policy_count, policy_databases, policy_room,
-    restore_policy, PolicyChange, PolicyView, ToWrite,
-};
 pub use caps::{
     busy_caps, cap_refs, caps, create, databases, databases_with_pending, first_key, grow, key_now,
     lookup, reclaim_database, usage,
 };
 #[cfg(any(test, feature = "pg_test"))]
 pub use caps::{pin_state, reclaim_now};
-pub use counters::Flushed;
-pub use durable::{
+pub use committed::{
     advance_requested, databases_to_load, databases_to_recheck, databases_with_horizon_work,
     databases_with_waiting_calls, durable_watch, flusher_commits, loaded, mark_loaded,
     note_flusher_commit, note_recovered, recorded_databases, recovered_at, request_advance,
     request_load, start_kind, MAX_DATABASES,
 };
+pub use counters::Flushed;
 pub use launcher::{launcher_wakeup, next_flush_id};
 pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo, LeaseRefused};
 pub use load::{load_of, sample_load, Load};
+pub use persist::init;
 pub use pin::pin;
-pub use segment::{attached, init};
+pub use policies::{
+    adapt_tick, apply_policy, cap_limits, clear_policies, databases_with_limits_to_write,
+    learned_limit, limits_to_write, limits_written, policy_count, policy_databases, policy_room,
+    restore_policy, PolicyChange, PolicyView, ToWrite,
+};
+pub use segment::attached;
 pub use stage_e_core::counters::Counter;
 pub use stage_e_core::state::CapRef;
 pub use waitq::{dequeue, waiters_of, Ticket, WaiterInfo};

@@ -15,9 +15,9 @@
 //! - Shared memory is touched only with the cap pinned (`shmem::Cap`), so a cap is never
 //!   reclaimed or moved under a backend that is using it.
 
-pub mod adapt;
-pub mod durable;
+pub mod admission;
 pub mod held;
+pub mod limits;
 pub mod views;
 pub mod waiting;
 
@@ -271,7 +271,7 @@ pub fn lease(
                 let Some(pinned) = existing(name) else {
                     continue; // reclaimed meanwhile: a new cap starts over
                 };
-                durable::wait_for_room(&pinned, expires_at, token)?;
+                admission::wait_for_room(&pinned, expires_at, token)?;
             }
             other => return Ok(other?.map(|t| t.first())),
         }
@@ -302,7 +302,7 @@ fn acquire(
     kind: Kind,
 ) -> Result<Option<Taken>, SlotError> {
     ready()?;
-    durable::ensure_loaded()?;
+    admission::ensure_loaded()?;
     let name = check_name(cap)?;
     let n = check_cap(n)?;
     let k = check_count(k, n)?;
@@ -314,7 +314,7 @@ fn acquire(
     }
     let cap = for_acquire(name, n)?;
     cap.note_n(n);
-    // An adaptive cap (`shmem::adaptive`): slots of [0, least(n, limit)) only, and `search`
+    // An adaptive cap (`shmem::policies`): slots of [0, least(n, limit)) only, and `search`
     // stops at the limit held. More slots than the limit cannot be had until it grows.
     let limit = cap.limit();
     let n = if limit != 0 { n.min(limit) } else { n };
@@ -352,7 +352,7 @@ fn wait_out_hold(cap: &Cap, wait: Wait) -> Option<Wait> {
         Wait::For(d) => Some(started + d),
         Wait::Forever => None,
     };
-    if let durable::Hold::Throttled = durable::through_hold(cap, deadline) {
+    if let admission::Hold::Throttled = admission::through_hold(cap, deadline) {
         cap.counters().bump(Counter::Throttled, 1);
         return None;
     }
@@ -508,7 +508,7 @@ fn grant_lease(cap: &Cap, key: i32, slot: u32, token: u64, ttl_us: i64) -> Resul
     let now = session::now();
     let expires_at = now.saturating_add(ttl_us);
     let _granting = cap.begin_grant();
-    durable::check_room(cap, expires_at, token)?;
+    admission::check_room(cap, expires_at, token)?;
     let share = gucs::database_share();
     let limit = share::limit(gucs::max_leases() as u64, share);
     match cap.start_lease(slot, token, now, expires_at, session::user_id(), limit) {
@@ -589,7 +589,7 @@ pub fn expire_leases_everywhere() -> usize {
 /// with their sessions: they are the lock manager's locks, which a re-created extension sees
 /// as taken until their sessions release them or end.
 pub fn end_database() {
-    adapt::end_database(session::database());
+    limits::end_database(session::database());
     let mut leases = 0;
     for cap in shmem::caps(Some(session::database())) {
         leases += cap.expire_leases(i64::MAX).len();
@@ -623,7 +623,7 @@ pub fn settle_lease(
     action: LeaseAction,
 ) -> Result<LeaseOutcome, SlotError> {
     ready()?;
-    durable::ensure_loaded()?;
+    admission::ensure_loaded()?;
     let name = check_name(cap)?;
     let slot = check_slot(slot)?;
     let token = token.ok_or(SlotError::NullArgument { name: "token" })?;
@@ -658,8 +658,8 @@ pub fn settle_lease(
             cap.lease_of(slot)
                 .is_some_and(|l| l.token == token as u64 && l.expires_at > now)
         };
-        if durable::has_horizon() && renewable() && durable::check_room(&cap, t, 0).is_err() {
-            durable::wait_for_room(&cap, t, 0)?;
+        if admission::has_horizon() && renewable() && admission::check_room(&cap, t, 0).is_err() {
+            admission::wait_for_room(&cap, t, 0)?;
             now = session::now();
             extend_to = Some(now.saturating_add(ttl));
         }

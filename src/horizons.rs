@@ -34,7 +34,7 @@ fn ts(us: i64) -> String {
 
 /// Loads database `db` (the flusher's, connected to it): token floors always; after a crash or
 /// a promotion, holds and dormant leases too; then the adaptive policies, by `restore_policies`
-/// (`slots::adapt::restore`, passed in: the policies' rules live above this floor). Marks it
+/// (`slots::limits::restore`, passed in: the policies' rules live above this floor). Marks it
 /// loaded.
 pub fn load(
     db: u32,
