@@ -17,7 +17,7 @@
 //! create fail; a create that finds everything in use asks the launcher for a flush round (so
 //! idle caps' counts reach their rows) and waits up to [`ROOM_WAIT`] for it.
 
-use super::committed;
+use super::databases::{self, sorted};
 use super::entry::{CapEntry, Identity};
 use super::launcher::request_flush;
 use super::segment::{directory_locked, segment, Segment, EXCLUSIVE, SHARED};
@@ -606,7 +606,7 @@ pub fn reclaim_database(db: u32) {
         }
     });
     if !seg.live().any(|e| e.database() == db) {
-        committed::forget_database(db);
+        databases::forget_database(db);
     }
 }
 
@@ -654,13 +654,6 @@ pub fn busy_caps(db: u32) -> Vec<String> {
         })
         .map(|cap| cap.name())
         .collect()
-}
-
-/// Sorted, each once.
-pub(super) fn sorted(mut dbs: Vec<u32>) -> Vec<u32> {
-    dbs.sort_unstable();
-    dbs.dedup();
-    dbs
 }
 
 /// Databases that have caps with counts pending, for the launcher.

@@ -13,14 +13,11 @@
 //! consistent state. A cap whose role is held is never reclaimed, so the role needs no pin.
 
 use super::entry::CapEntry;
+use super::records::Counters;
 use super::Cap;
-use stage_e_core::counters::{Counter, CounterValues, FlushState, COUNT};
+use stage_e_core::counters::{Counter, CounterValues, FlushState};
 use stage_e_core::histogram::HistValues;
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
-
-/// One value per counter, in `CounterValues::NAMES` order.
-#[repr(C)]
-pub struct Counters([AtomicU64; COUNT]);
+use std::sync::atomic::Ordering;
 
 impl Counters {
     pub fn bump(&self, which: Counter, by: u64) {
@@ -36,18 +33,6 @@ impl Counters {
             c.store(x, Ordering::Relaxed);
         }
     }
-}
-
-/// The counters every call bumps, on cache lines of their own, with the other fields that
-/// change as slots are taken.
-#[repr(C, align(64))]
-pub(super) struct HotCounters {
-    pub(super) counts: Counters,
-    /// Live leases, and no lease expires before `lease_due` (a lower bound; `leases`).
-    pub(super) leases: AtomicU32,
-    /// Lease grants between their room check and their lease record (`durable`'s "Quiet").
-    pub(super) granting: AtomicU32,
-    pub(super) lease_due: AtomicI64,
 }
 
 impl CapEntry {

@@ -12,41 +12,13 @@
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
 
-use super::committed::Durable;
-use super::counters::{Counters, HotCounters};
-use super::histograms::Histograms;
+use super::records::{
+    load_name, store_name, Counters, Durable, Histograms, HotCounters, NAME_WORDS,
+};
 use stage_e_core::front::Front;
 use stage_e_core::load::Averages;
 use stage_e_core::state::State;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
-
-/// Bytes of a cap's name at most (`directory::MAX_NAME`, rounded up to words).
-pub(super) const NAME_WORDS: usize = 8;
-
-/// A name (at most `NAME_WORDS * 8` bytes) into words, as entries and policies keep it.
-pub(super) fn store_name(words: &[AtomicU64; NAME_WORDS], len: &AtomicU32, name: &str) {
-    let mut bytes = [0u8; NAME_WORDS * 8];
-    let n = name.len().min(bytes.len());
-    bytes[..n].copy_from_slice(&name.as_bytes()[..n]);
-    for (w, chunk) in words.iter().zip(bytes.chunks(8)) {
-        w.store(
-            u64::from_le_bytes(chunk.try_into().expect("8 bytes")),
-            Ordering::Relaxed,
-        );
-    }
-    len.store(n as u32, Ordering::Relaxed);
-}
-
-/// The name [`store_name`] stored.
-pub(super) fn load_name(words: &[AtomicU64; NAME_WORDS], len: &AtomicU32) -> String {
-    let len = len.load(Ordering::Relaxed) as usize;
-    let bytes: Vec<u8> = words
-        .iter()
-        .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
-        .take(len.min(NAME_WORDS * 8))
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
-}
 
 #[repr(C)]
 pub(super) struct CapEntry {

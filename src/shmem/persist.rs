@@ -11,7 +11,7 @@
 //! crash after a clean start finds no lease file: that is how a crash is told from a clean start.
 
 use super::caps::{create_at_start, restore_at_start};
-use super::committed;
+use super::databases;
 use super::pin::pin;
 use super::segment::{self, segment, Segment};
 use super::Cap;
@@ -52,7 +52,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
         // not keep them out (what does not fit of the counts is kept for later instead).
         let kind = restore_leases(seg);
         restore_pending(seg);
-        committed::set_start_kind(kind);
+        databases::set_start_kind(kind);
         save_at_shutdown();
     }
 }

@@ -14,11 +14,9 @@
 //! path takes none.
 
 use super::entry::{CapEntry, SlotRecord};
-use super::leases::LeaseRecord;
-use super::pin::HazardSlot;
-use super::policies::{PolicyRecord, POLICY_SIZE};
-use super::waitq::WaiterRecord;
-use super::{committed, launcher};
+use super::records::{
+    HazardSlot, Launcher, LeaseRecord, Lifecycle, PolicyRecord, WaiterRecord, POLICY_SIZE,
+};
 use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena::{self, Buddy};
@@ -40,8 +38,8 @@ pub(super) struct Header {
     pub(super) top_order: u32,
     /// The last flush id handed out (ids increase across the server).
     pub(super) last_flush_id: AtomicU64,
-    pub(super) launcher: launcher::Launcher,
-    pub(super) lifecycle: committed::Lifecycle,
+    pub(super) launcher: Launcher,
+    pub(super) lifecycle: Lifecycle,
     /// The last fencing token handed out, of any cap (`leases`).
     pub(super) tokens: TokenCounter,
 }
@@ -255,6 +253,18 @@ impl Segment {
             );
             (records, bits)
         }
+    }
+}
+
+/// The server's last token (0 when not attached).
+pub(super) fn last_token() -> u64 {
+    segment().map_or(0, |seg| seg.header.tokens.last())
+}
+
+/// Tokens go on above `floor`.
+pub(super) fn raise_tokens(floor: u64) {
+    if let Some(seg) = segment() {
+        seg.header.tokens.raise(floor);
     }
 }
 
