@@ -18,7 +18,7 @@ install_base_scripts = $(SUDO) install -m 644 $(BASE_SCRIPTS) \
 export PG_CONFIG
 
 .PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
-        test-integration test-isolation test-monitoring test-python lint clean package \
+        test-integration test-isolation test-monitoring test-python lint layers clean package \
         test-package wheel
 
 deps:
@@ -124,7 +124,13 @@ test-package:
 	$(MAKE) package PG=18 PG_CONFIG=$$(scripts/pg-config.sh 18)
 	.venv/bin/python -m pytest packaging -v -p no:cacheprovider
 
+## src/'s modules use only the floors below their own, as src/lib.rs lists them, and
+## src/shmem/'s files only those before them in src/shmem/mod.rs's list: no build, a second.
+layers:
+	python3 scripts/layers.py
+
 lint: deps
+	python3 scripts/layers.py
 	.venv/bin/ruff check --config python/pyproject.toml python tests/python
 	cd python && ../.venv/bin/mypy --strict src/stage_e_slots
 	cargo fmt --all --check
