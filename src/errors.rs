@@ -1,6 +1,7 @@
-//! How failures reach the client: each ERROR says what happened (message), what was expected
+//! The refusals in words, at the top: each ERROR says what happened (message), what was expected
 //! (detail) and how to fix it (hint), with a SQLSTATE a program can act on: class 22 for bad
-//! input, 53 for a full configuration limit, 55 for a missing prerequisite.
+//! input, 53 for a full configuration limit, 55 for a missing prerequisite. The errors are data
+//! (`failures`), returned by every floor; the ereport plumbing is `report`, below.
 
 use crate::failures::{CapError, NamedError, Pool, SlotError};
 use crate::flush::FlushError;

@@ -1,6 +1,7 @@
 //! Configuration. The settings that size or identify shared state are read once at server start
 //! (postmaster context); the flush interval follows reloads. The prefix is reserved so a typo is
-//! an error, not a silently ignored placeholder.
+//! an error, not a silently ignored placeholder. Also the search path our own statements and
+//! conversions run under (`pinned`).
 
 use pgrx::pg_sys;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};

@@ -18,10 +18,11 @@
 //!   the database's caps end (`slots::end_database`): leases freed, pending counts dropped.
 //!   A rolled-back drop changes nothing.
 //!
-//! Registered lazily, by the SQL functions that acquire (`api`) and by a flush (`flush`), before
-//! they act: `_PG_init` runs in the postmaster, whose exit callbacks children discard, and a
-//! backend that never takes a slot pays nothing. So this module sits above `slots` (whose
-//! `held` it calls) and `session` (whose state it settles), and nothing below calls it.
+//! Registered lazily (`ensure`), before they act, by the SQL functions that acquire, flush or
+//! change a policy (`api`, `compat`) and by the flushers (`worker`): `_PG_init` runs in the
+//! postmaster, whose exit callbacks children discard, and a backend that never takes a slot pays
+//! nothing. So this module sits above `slots` (whose `held` it calls) and `session` (whose state
+//! it settles), and only the floors above it call it (`src/lib.rs`).
 
 use crate::backend::BackendLocal;
 use crate::session;

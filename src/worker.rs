@@ -15,7 +15,7 @@
 //! differently: each worker pins its settings (`sql::pin_worker_settings`), and a database
 //! closed to new connections is flushed all the same (`BGWORKER_BYPASS_ALLOWCONN`).
 //!
-//! Flushers also keep the durable lease state (`durable`, `docs/lifecycle.md`): a flusher loads
+//! Flushers also keep the durable lease state (`horizons`, `docs/lifecycle.md`): a flusher loads
 //! its database after a start, and writes the lease horizons, token floors and journals that
 //! are due. Those are asked for by backends (an advance, a load: the launcher runs at once) and
 //! looked for every second while any lease is live; counters keep their own interval.
@@ -272,7 +272,7 @@ fn durable_work() -> Vec<u32> {
     dbs
 }
 
-/// One flusher per database with work, one after another: the durable lease state of `durable`
+/// One flusher per database with work, one after another: the durable lease state of `horizons`
 /// databases, with `counters` the pending counts of every database that has some, and with
 /// `sweep` the retention rule in every database with caps or loaded since the start. Returns
 /// the databases whose flusher did not commit; `failing` learns whose counts could not be

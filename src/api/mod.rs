@@ -1,13 +1,14 @@
-//! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and
-//! tokens), `adapt` (adaptive caps), `held_back` (caps held back after a crash), `stats` (counters, holders,
-//! waiters, load, flush and reset), `snapshot` (the jsonb document). Each function translates arguments, calls `slots` or `flush`, and maps errors
-//! (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are refused in
-//! parallel workers). Arguments are `Option` so a NULL reaches us and becomes a class-22 ERROR
-//! rather than a silent NULL from a STRICT function. The one-argument forms are the cap
-//! `default`. No two functions of one name take the same number of arguments, so a call whose
-//! parameters are all untyped (as node-postgres and asyncpg send them) resolves to exactly one
-//! (tests/test_overloads.py). Every other SQL object is in `sql/schema/`; functions of earlier
-//! versions whose shape changed, or that were retired, keep their C symbols in `compat`.
+//! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and tokens),
+//! `adapt` (adaptive caps), `held_back` (caps held back after a crash), `stats` (counters, holders,
+//! waiters, load, flush and reset), `snapshot` (the jsonb document). Each function translates
+//! arguments, calls `slots` or `flush`, and maps errors (`errors`). Slot functions are VOLATILE and
+//! PARALLEL UNSAFE (advisory locks are refused in parallel workers). Arguments are `Option` so a
+//! NULL reaches us and becomes a class-22 ERROR rather than a silent NULL from a STRICT function.
+//! The one-argument forms are the cap `default`. No two functions of one name take the same number
+//! of arguments, so a call whose parameters are all untyped (as node-postgres and asyncpg send
+//! them) resolves to exactly one (tests/test_overloads.py). Every other SQL object is in
+//! `sql/schema/`; functions of earlier versions whose shape changed, or that were retired, keep
+//! their C symbols in `compat`.
 
 use crate::errors::raise;
 use crate::failures::SlotError;

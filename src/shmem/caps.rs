@@ -11,11 +11,12 @@
 //! larger block; its holders keep their slots.
 //!
 //! **Reclaiming.** A cap with no pin, no occupied slot, no waiter, nothing pending for the table
-//! and no flush in progress, not held back (`durable`), is idle, and is reclaimed when room is needed (an entry or a block);
-//! its counts are already in its counter row. A cap of a dropped database is reclaimed with its
-//! pending counts (logged). Only when the caps truly in use fill `max_caps` or the arena does a
-//! create fail; a create that finds everything in use asks the launcher for a flush round (so
-//! idle caps' counts reach their rows) and waits up to [`ROOM_WAIT`] for it.
+//! and no flush in progress, not held back (`committed`), is idle, and is reclaimed when room is
+//! needed (an entry or a block); its counts are already in its counter row. A cap of a dropped
+//! database is reclaimed with its pending counts (logged). Only when the caps truly in use fill
+//! `max_caps` or the arena does a create fail; a create that finds everything in use asks the
+//! launcher for a flush round (so idle caps' counts reach their rows) and waits up to [`ROOM_WAIT`]
+//! for it.
 
 use super::databases::{self, sorted};
 use super::entry::{CapEntry, Identity};

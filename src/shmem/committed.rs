@@ -7,16 +7,15 @@
 //! against them (`stage_e_core::lifecycle::room`) is covered by what is on disk. Wishes
 //! (`horizon_wanted`) are raised by any backend with `fetch_max` and read by the flusher.
 //!
-//! **Quiet.** A cap whose leases have all ended, and stayed so for
-//! `lifecycle::QUIET_AFTER_US`, has its durable horizon lowered to the present, so that a crash
-//! or a promotion holds back nothing for it. The flusher first *closes* it (the committed
-//! horizon in shared memory becomes 0, so every new grant waits for an advance), then waits
-//! until no grant is between its room check and its lease record (`granting`, with the lease
-//! counters, a Dekker-style
-//! fence: the grant increments it before reading the horizon, the flusher reads it after
-//! zeroing the horizon, both SeqCst), and only if the cap still has no lease writes the lowered
-//! row. The next lease asks for an advance and waits for its commit. The row's horizon is never
-//! written below a live lease's expiry plus the margin, nor below the cap's hold.
+//! **Quiet.** A cap whose leases have all ended, and stayed so for `lifecycle::QUIET_AFTER_US`, has
+//! its durable horizon lowered to the present, so that a crash or a promotion holds back nothing
+//! for it. The flusher first *closes* it (the committed horizon in shared memory becomes 0, so
+//! every new grant waits for an advance), then waits until no grant is between its room check and
+//! its lease record (`granting`, with the lease counters, a Dekker-style fence: the grant
+//! increments it before reading the horizon, the flusher reads it after zeroing the horizon, both
+//! SeqCst), and only if the cap still has no lease writes the lowered row. The next lease asks for
+//! an advance and waits for its commit. The row's horizon is never written below a live lease's
+//! expiry plus the margin, nor below the cap's hold.
 //!
 //! **Holds.** `held_until` is set once, by the loader, before the database is marked loaded;
 //! no backend acquires in a database before it is loaded (`loaded`), so every acquisition sees

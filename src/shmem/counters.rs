@@ -5,9 +5,8 @@
 //! They share their cache lines with the other fields that change as slots are taken (the
 //! fencing token and the lease fields, `leases`), away from the fields every call only reads.
 //!
-//! **Flush seqlock.** `carried`, `flushed`, `inflight`, `inflight_id` and `settled_id` change
-//! only in the
-//! process that holds the cap's flusher role (a CAS on `flusher`, taken by `flush`), as one
+//! **Flush seqlock.** `carried`, `flushed`, `inflight`, `inflight_id` and `settled_id` change only
+//! in the process that holds the cap's flusher role (a CAS on `flusher`, taken by `flush`), as one
 //! seqlock write: `version` is odd while they change. Readers ([`CapEntry::flush_state`]) retry
 //! until they read an even, unchanged version, so the pending counts they compute are from one
 //! consistent state. A cap whose role is held is never reclaimed, so the role needs no pin.

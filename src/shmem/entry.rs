@@ -6,7 +6,7 @@
 //! reads them without a lock. The other fields have protocols of their own, each in the file of
 //! its concern: the counters and the flush seqlock (`counters`), the waiters and the front
 //! seats (`waitq`), the lease fields (`leases`), the load averages (`load`), the durable
-//! horizon, floor and hold (`durable`), the adaptive limit (`adaptive`, kept in the durable
+//! horizon, floor and hold (`committed`), the adaptive limit (`policies`, kept in the durable
 //! line, which every acquisition reads), the histograms (`histograms`).
 //!
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
@@ -39,7 +39,7 @@ pub(super) struct CapEntry {
     name: [AtomicU64; NAME_WORDS],
     /// Waiters in the queue (read by every call; `waitq`).
     pub(super) waiters: AtomicU32,
-    /// The n of the cap's latest acquisition (written only when it changes; `durable`).
+    /// The n of the cap's latest acquisition (written only when it changes; `committed`).
     pub(super) latest_n: AtomicU32,
     /// Id of the flush in progress (0 = none; its delta is `inflight`), and the seqlock over
     /// carried/flushed/inflight (`counters`).
@@ -64,7 +64,7 @@ pub(super) struct CapEntry {
     /// The id of the cap's last settled flush, whose delta `inflight` still holds (0 = none;
     /// `counters`). Rarely written, so it takes the padding after the load averages.
     pub(super) settled_id: AtomicU64,
-    /// The committed lease horizon and token floor, the hold, the journal (`durable`).
+    /// The committed lease horizon and token floor, the hold, the journal (`committed`).
     pub(super) durable: Durable,
     /// The hold and wait histograms, and what of them is flushed (`histograms`).
     pub(super) hist: Histograms,

@@ -1,13 +1,15 @@
-//! Pending counts and leases across a clean restart: written at postmaster shutdown, read back
-//! at start, as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
+//! Pending counts and leases across a clean restart, and the startup hook that restores them:
+//! written at postmaster shutdown, read back at start (the hook first attaches the segment,
+//! `segment`), as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
 //! `stage_e_core::counters::{encode, decode}` and `stage_e_core::lifecycle::LeaseFile`.
 //!
 //! Only the postmaster touches the files: at a clean shutdown (exit code 0, and a control file
 //! that says "shut down": an immediate shutdown also exits with 0, but like a crash it kills
-//! the backends mid-way and writes no shutdown checkpoint) every backend and worker is gone, so each cap's pending counts, token counter and leases are final; at start
-//! (and after a crash reset) no backend runs yet. A crash writes nothing: at most one flush
+//! the backends mid-way and writes no shutdown checkpoint) every backend and worker is gone, so
+//! each cap's pending counts, token counter and leases are final; at start (and after a crash
+//! reset) no backend runs yet. A crash writes nothing: at most one flush
 //! interval of counts is lost, as documented, and the leases are covered by the durable horizon
-//! instead (`durable`). Each file is removed once read, so it is never applied twice, and a
+//! instead (`committed`). Each file is removed once read, so it is never applied twice, and a
 //! crash after a clean start finds no lease file: that is how a crash is told from a clean start.
 
 use super::caps::{create_at_start, restore_at_start};

@@ -84,7 +84,7 @@ pub(super) struct Durable {
     /// Held back until then (0 = not held), and why (`HoldReason`).
     pub(super) held_until: AtomicI64,
     pub(super) held_reason: AtomicU32,
-    /// An adaptive cap's enforced limit; 0 = none (`adaptive`).
+    /// An adaptive cap's enforced limit; 0 = none (`policies`).
     pub(super) limit: AtomicU32,
     /// Bumped by every lease change; the value the last committed journal write saw, and when.
     pub(super) lease_changes: AtomicU64,

@@ -1,16 +1,16 @@
 //! The segment: its header, where its parts are, and how a process attaches to it.
 //!
-//! Sized from postmaster settings at start (the pg_stat_statements pattern: a request hook and
-//! a startup hook). One `Layout` (`stage_e_core::layout`) both sizes the segment and finds its
-//! parts, from counts the creator writes into the header. The startup hook runs in the
-//! postmaster at start and after every crash reset (when the segment may move); children
-//! inherit the attached view through fork. The first process to create the segment zeroes
-//! it, which is a valid state for every field (atomics; database 0 = a free entry), then frees
-//! the arena.
+//! Sized from postmaster settings at start (the pg_stat_statements pattern: a request hook, and a
+//! startup hook, which is `persist`'s: it attaches here, then restores what was saved). One
+//! `Layout` (`stage_e_core::layout`) both sizes the segment and finds its parts, from counts the
+//! creator writes into the header. The startup hook runs in the postmaster at start and after every
+//! crash reset (when the segment may move); children inherit the attached view through fork. The
+//! first process to create the segment zeroes it, which is a valid state for every field (atomics;
+//! database 0 = a free entry), then frees the arena.
 //!
 //! Three LWLocks of our tranche: the *directory* lock (shared to look a cap up on a cache miss,
 //! exclusive to create, grow or reclaim one: `caps`), the *waits* lock (joining and leaving
-//! a cap's queue: `waitq`) and the *adapt* lock (adaptive caps' policies: `adaptive`). The hot
+//! a cap's queue: `waitq`) and the *adapt* lock (adaptive caps' policies: `policies`). The hot
 //! path takes none.
 
 use super::entry::{CapEntry, SlotRecord};
