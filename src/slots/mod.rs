@@ -294,6 +294,17 @@ fn check_ttl(ttl_us: Option<i64>) -> Result<i64, SlotError> {
     }
 }
 
+/// The acquisition pipeline, one named stage per concern, so that a new check is one more
+/// stage, not another thread through this file:
+///
+/// 1. admission (`admit`): the arguments and this session's own limit; the cap made or grown;
+///    held back after a crash or a promotion (`wait_out_hold`); the adaptive limit
+///    (`within_limit`);
+/// 2. search and take (`take`): the lowest free slots, from slot 0 while the cap has no waiters
+///    (the hot path); else `not_taken`: the slots no waiter can use, a second look after
+///    freeing what expired, then the line (`waiting`). A lease's room under the committed
+///    horizon is checked as it is granted (`grant_lease`), when its token and expiry are known;
+/// 3. record (`record`): the slots counted as acquired (they were tracked as they were taken).
 fn acquire(
     cap: Option<&str>,
     n: Option<i32>,
@@ -301,6 +312,37 @@ fn acquire(
     wait: Wait,
     kind: Kind,
 ) -> Result<Option<Taken>, SlotError> {
+    let Some(Admitted { cap, n, k, wait }) = admit(cap, n, k, wait, kind)? else {
+        return Ok(None); // throttled, counted
+    };
+    // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
+    // at the slots no waiter can use.
+    if cap.waiters() == 0 {
+        if let Some(got) = take(&cap, n, k, 0, session::statement_start(), kind)? {
+            return Ok(Some(record(&cap, k, got)));
+        }
+    }
+    not_taken(cap, n, k, wait, kind)
+}
+
+/// A call admitted to search: its cap pinned, the n it may search (the adaptive limit
+/// applied), its k, and the wait left once a hold has ended.
+struct Admitted {
+    cap: Cap,
+    n: u32,
+    k: u32,
+    wait: Wait,
+}
+
+/// Admission: None when the call is throttled (counted) before any search.
+#[inline]
+fn admit(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: Wait,
+    kind: Kind,
+) -> Result<Option<Admitted>, SlotError> {
     ready()?;
     admission::ensure_loaded()?;
     let name = check_name(cap)?;
@@ -314,31 +356,38 @@ fn acquire(
     }
     let cap = for_acquire(name, n)?;
     cap.note_n(n);
-    // An adaptive cap (`shmem::policies`): slots of [0, least(n, limit)) only, and `search`
-    // stops at the limit held. More slots than the limit cannot be had until it grows.
-    let limit = cap.limit();
-    let n = if limit != 0 { n.min(limit) } else { n };
-    if k > n {
-        cap.counters().bump(Counter::Throttled, 1);
+    let Some(n) = within_limit(&cap, n, k) else {
         return Ok(None);
-    }
+    };
     let mut wait = wait;
-    let now = session::statement_start();
-    if cap.held_until(now).is_some() {
+    if cap.held_until(session::statement_start()).is_some() {
         match wait_out_hold(&cap, wait) {
             Some(left) => wait = left,
             None => return Ok(None),
         }
     }
-    // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
-    // at the slots no waiter can use.
-    if cap.waiters() == 0 {
-        if let Some(got) = take(&cap, n, k, 0, now, kind)? {
-            cap.counters().bump(Counter::Acquired, k as u64);
-            return Ok(Some(got));
-        }
+    Ok(Some(Admitted { cap, n, k, wait }))
+}
+
+/// An adaptive cap (`shmem::policies`): slots of [0, least(n, limit)) only, and `search` stops
+/// at the limit held. More slots than the limit cannot be had until it grows: None, throttled
+/// (counted).
+#[inline]
+fn within_limit(cap: &Cap, n: u32, k: u32) -> Option<u32> {
+    let limit = cap.limit();
+    let n = if limit != 0 { n.min(limit) } else { n };
+    if k > n {
+        cap.counters().bump(Counter::Throttled, 1);
+        return None;
     }
-    not_taken(cap, n, k, wait, kind)
+    Some(n)
+}
+
+/// Record: `got` (k slots) counted as acquired.
+#[inline]
+fn record(cap: &Cap, k: u32, got: Taken) -> Taken {
+    cap.counters().bump(Counter::Acquired, k as u64);
+    got
 }
 
 /// Held back after a crash or a promotion: nothing is handed out until the hold ends. The wait
@@ -373,8 +422,7 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
     if let Some(from) = from {
         if waiters {
             if let Some(got) = take(&cap, n, k, from, now, kind)? {
-                cap.counters().bump(Counter::Acquired, k as u64);
-                return Ok(Some(got));
+                return Ok(Some(record(&cap, k, got)));
             }
         }
         // Before saying "throttled": this session may have dropped one of its own slots' locks
@@ -383,8 +431,7 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
         let expired = expire_due(&cap);
         if held::reconcile_cap(&cap) + expired > 0 {
             if let Some(got) = take(&cap, n, k, from, now, kind)? {
-                cap.counters().bump(Counter::Acquired, k as u64);
-                return Ok(Some(got));
+                return Ok(Some(record(&cap, k, got)));
             }
         }
     }
