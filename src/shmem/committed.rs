@@ -1,6 +1,6 @@
 //! What shared memory knows of the durable state that outlives it (`docs/lifecycle.md`): each
 //! cap's committed lease horizon and token floor, its hold after a crash or a promotion, the
-//! lease journal's bookkeeping; (per database, whether its rows are loaded: `databases`).
+//! lease journal's bookkeeping. (Per database, whether its rows are loaded is `databases`'.)
 //!
 //! **Committed values only.** `horizon` and `floor` are stored only by the flusher after the
 //! transaction that wrote them committed (`publish`), and only grow, so a grant that checked

@@ -1,7 +1,7 @@
-//! The table of databases in the header: per database, whether its durable rows are loaded since
-//! this segment was made, its flushers' commits and its share of the lease records; and the
-//! launcher's requests (an advance or a load asked for), how the segment began, when recovery
-//! ended.
+//! The table of databases in the header, claimed by CAS: per database, whether its durable rows
+//! are loaded since this segment was made, its flushers' commits and its share of the lease
+//! records; and the launcher's requests (an advance or a load asked for), how the segment began,
+//! when recovery ended.
 //!
 //! **Databases.** A fixed table of `MAX_DATABASES` records in the header: a record is claimed
 //! by CAS on its oid (0 = free) and freed by the launcher when its database is dropped. A

@@ -2,8 +2,8 @@
 //! histograms and committed state) and the segment's tables (waiters, leases, policies, hazard
 //! slots, the launcher's and the lifecycle's header fields). Only their fields are here, at the
 //! bottom, so that the layout (`entry`, `segment`) needs nothing above it; each record's
-//! protocol (which lock or atomic guards which field) is in the file of its concern, named at
-//! each record.
+//! protocol (which lock or atomic guards which field) is in the file of its concern, named on
+//! the record.
 
 use pgrx::pg_sys;
 use stage_e_core::counters::COUNT;
