@@ -6,7 +6,8 @@
 //!
 //! Floors, bottom to top: a module uses only modules on floors below its own, never one on its
 //! own floor or above (`make layers` checks it against this list; `stage_e_core`, the crate with
-//! no server at all, is below them all). Each line: what the floor holds (it may use):
+//! no server at all, is below them all). Each line: what the floor holds (what it uses; the
+//! bottom floor uses none of ours):
 //!
 //! 1. `backend`, `failures`, `ffi`, `gucs`: backend statics, errors as data, raw calls, settings
 //! 2. `names`, `locks`: text at the encoding's edge, the lock manager (failures, gucs; ffi)
@@ -17,8 +18,8 @@
 //! 7. `horizons`: loading and advancing the lease horizons (keys, session, shmem, sql, report)
 //! 8. `slots`: acquire, release, leases, waiting, adaptive caps, lifecycle (everything below)
 //! 9. `hooks`: exit and transaction-end callbacks, `DROP EXTENSION` (slots, session, shmem)
-//! 10. `errors`, `worker`: the refusals in words (SQLSTATE, detail, hint); launcher, flushers
-//! 11. `api`: the SQL surface, by part (slots, leases, adapt, lifecycle, stats, snapshot)
+//! 10. `errors`, `worker`: refusals in words (SQLSTATE, hint); the launcher, flushers (all below)
+//! 11. `api`: the SQL surface by part: slots, leases, adapt, held_back, stats, snapshot (all below)
 //! 12. `compat`: earlier versions' C symbols (api's row macro, errors, slots)
 
 #[macro_use]
