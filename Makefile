@@ -23,7 +23,7 @@ DEPS = $(if $(PHASED),,deps)
 INSTALL_DEV = $(if $(PHASED),,install-dev)
 
 .PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
-        test-integration test-isolation test-monitoring test-python lint clean package \
+        test-integration test-isolation test-monitoring test-python lint layers clean package \
         test-package wheel
 
 deps:
@@ -137,7 +137,13 @@ test-package:
 	$(MAKE) package PG=18 PG_CONFIG=$$(scripts/pg-config.sh 18)
 	.venv/bin/python -m pytest packaging -v -p no:cacheprovider
 
+## src/'s modules use only the floors below their own, as src/lib.rs lists them, and
+## src/shmem/'s files only those before them in src/shmem/mod.rs's list: no build, a second.
+layers:
+	python3 scripts/layers.py
+
 lint: deps
+	python3 scripts/layers.py
 	.venv/bin/ruff check --config python/pyproject.toml python tests/python
 	.venv/bin/python scripts/generate_sync.py --check
 	cd python && ../.venv/bin/mypy --strict src/stage_e_slots

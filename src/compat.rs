@@ -27,10 +27,11 @@
 //! with `stage_e_try_slot(cap text, n integer)`.
 
 use crate::api;
-use crate::errors::{raise, raise_flush, raise_internal};
+use crate::errors::{raise, raise_flush};
 use crate::flush::{self, Write};
 use crate::gucs;
 use crate::names::{Json, Text};
+use crate::report::raise_internal;
 use crate::slots;
 use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
@@ -89,6 +90,7 @@ for_each_counter_0_2_0!(
     #[pg_extern(sql = false)]
     fn stage_e_flush() -> () {
         slots::ready().unwrap_or_else(|e| raise(e));
+        crate::hooks::ensure();
         let added = flush::flush(Write::Add, Some(DEFAULT_CAP), true)
             .unwrap_or_else(|e| raise_flush(e))
             .unwrap_or_default();

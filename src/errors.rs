@@ -1,13 +1,12 @@
-//! How failures reach the client: each ERROR says what happened (message), what was expected
+//! The refusals in words, at the top: each ERROR says what happened (message), what was expected
 //! (detail) and how to fix it (hint), with a SQLSTATE a program can act on: class 22 for bad
-//! input, 53 for a full configuration limit, 55 for a missing prerequisite.
+//! input, 53 for a full configuration limit, 55 for a missing prerequisite. The errors are data
+//! (`failures`), returned by every floor; the ereport plumbing is `report`, below.
 
+use crate::failures::{CapError, NamedError, Pool, SlotError};
 use crate::flush::FlushError;
 use crate::gucs;
-use crate::names;
-use crate::shmem::{CapError, Pool};
-use crate::slots::{NamedError, SlotError};
-use pgrx::pg_sys::panic::ErrorReport;
+use crate::report;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 use stage_e_core::directory::{NameError, DEFAULT_CAP, MAX_NAME};
 
@@ -16,53 +15,6 @@ const HINT_PRELOAD: &str = "Add stage_e_slots to shared_preload_libraries in pos
 pub const HINT_SAME_CONNECTION: &str = "A slot is a session-level lock: it belongs to the \
      connection that took it and is gone when that connection closes. Acquire and release on \
      one dedicated connection, and check stage_e_holding(slot) before committing work.";
-
-/// Every report of ours is made here: the text, made in UTF-8, is handed over in the server
-/// encoding (`names::message`; pgrx's ErrorReport only copies it into the report).
-fn ereport(
-    level: PgLogLevel,
-    code: PgSqlErrorCode,
-    message: String,
-    detail: Option<String>,
-    hint: Option<String>,
-) {
-    let mut e = ErrorReport::new(code, names::message(message), "stage_e_slots");
-    if let Some(detail) = detail {
-        e = e.set_detail(names::message(detail));
-    }
-    if let Some(hint) = hint {
-        e = e.set_hint(names::message(hint));
-    }
-    e.report(level);
-}
-
-fn report(code: PgSqlErrorCode, message: String, detail: String, hint: Option<String>) -> ! {
-    ereport(PgLogLevel::ERROR, code, message, Some(detail), hint);
-    unreachable!("ereport(ERROR) does not return")
-}
-
-/// An ERROR without a detail (what pgrx's `error!` raises), for the background workers.
-pub fn fail(message: String) -> ! {
-    ereport(
-        PgLogLevel::ERROR,
-        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-        message,
-        None,
-        None,
-    );
-    unreachable!("ereport(ERROR) does not return")
-}
-
-/// A LOG line (the server log, and a client with client_min_messages = log).
-pub fn log(message: String) {
-    ereport(
-        PgLogLevel::LOG,
-        PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
-        message,
-        None,
-        None,
-    );
-}
 
 /// Microseconds as seconds, for a message (`86400 s`, `0.25 s`).
 fn seconds(us: i64) -> String {
@@ -73,22 +25,10 @@ fn seconds(us: i64) -> String {
     }
 }
 
-/// A LOG line for the server log only (errhidefromclient), for what the client of this
-/// backend must not see.
-pub fn log_server_only(message: String) {
-    ereport(
-        PgLogLevel::LOG_SERVER_ONLY,
-        PgSqlErrorCode::ERRCODE_SUCCESSFUL_COMPLETION,
-        message,
-        None,
-        None,
-    );
-}
-
 /// Raises `e` as an ERROR.
 pub fn raise(e: SlotError) -> ! {
     let d = describe(&e);
-    report(d.code, d.message, d.detail, d.hint)
+    report::error(d.code, d.message, d.detail, d.hint)
 }
 
 /// An error in words: what an ERROR says, and what a LOG line quotes (its message) through
@@ -497,13 +437,13 @@ fn pool_unit(pool: Pool) -> &'static str {
 pub fn raise_flush(e: FlushError) -> ! {
     match e {
         FlushError::Slots(e) => raise(e),
-        FlushError::Spi(e) => report(
+        FlushError::Spi(e) => report::error(
             PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
             format!("stage_e_slots could not write the counter rows: {e}"),
             "The counts stay pending and are written by the next flush.".into(),
             None,
         ),
-        FlushError::AgainInThisTransaction => report(
+        FlushError::AgainInThisTransaction => report::error(
             PgSqlErrorCode::ERRCODE_OBJECT_IN_USE,
             "stage_e_slots counters were already flushed in this transaction".into(),
             "The rows are settled when this transaction commits or aborts.".into(),
@@ -513,20 +453,11 @@ pub fn raise_flush(e: FlushError) -> ! {
 }
 
 pub fn raise_not_installed() -> ! {
-    report(
+    report::error(
         PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
         "extension \"stage_e_slots\" is not installed in this database".into(),
         "The counters are kept in the extension's table.".into(),
         Some("CREATE EXTENSION stage_e_slots;".into()),
-    )
-}
-
-pub fn raise_internal(message: String) -> ! {
-    report(
-        PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,
-        message,
-        "This is a bug in stage_e_slots; nothing was changed.".into(),
-        None,
     )
 }
 
@@ -543,7 +474,7 @@ pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>) {
     } else {
         format!("slot {slot} of cap \"{cap}\" was not held by this connection")
     };
-    ereport(
+    report::ereport(
         PgLogLevel::WARNING,
         PgSqlErrorCode::ERRCODE_WARNING,
         message,
@@ -566,7 +497,7 @@ pub fn warn_not_current(
         ),
         None => format!("Slot {slot} of cap \"{cap}\" has no live lease."),
     };
-    ereport(
+    report::ereport(
         PgLogLevel::WARNING,
         PgSqlErrorCode::ERRCODE_WARNING,
         format!("{what}: the token is not the current lease of slot {slot} of cap \"{cap}\""),
@@ -581,7 +512,7 @@ pub fn warn_not_current(
 
 /// The WARNING of a renewal or a release by token of a lease that had expired.
 pub fn warn_expired(what: &str, cap: &str, slot: i32, held_us: i64) {
-    ereport(
+    report::ereport(
         PgLogLevel::WARNING,
         PgSqlErrorCode::ERRCODE_WARNING,
         format!("{what}: the lease of slot {slot} of cap \"{cap}\" had expired"),

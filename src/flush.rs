@@ -15,10 +15,10 @@
 //! A database still at version 0.1.0 (its library updated, `ALTER EXTENSION UPDATE` not yet
 //! run) has the old one-row table: its `default` cap is written there, as 0.1.0 did.
 
+use crate::failures::SlotError;
 use crate::names::Text;
 use crate::session;
 use crate::shmem::{self, Cap, Flushed};
-use crate::slots::SlotError;
 use crate::sql::{self, Extension};
 use stage_e_core::counters::CounterValues;
 use stage_e_core::directory::DEFAULT_CAP;
@@ -51,7 +51,8 @@ pub enum Write {
 /// Flushes (or resets) the current database's caps (or only `only`) in the current
 /// transaction. Returns the counts written per cap, or None when the extension is not
 /// installed here. With `wait`, waits for another process's flush of a cap to end; without,
-/// leaves that cap to it.
+/// leaves that cap to it. The caller registers the transaction-end hooks first
+/// (`hooks::ensure`): they settle the flush, whichever way the transaction ends.
 pub fn flush(
     write: Write,
     only: Option<&str>,
@@ -99,8 +100,8 @@ pub fn flush(
         .iter()
         .map(|(_, _, read, _)| read.pending_hist())
         .collect();
-    // From here on the transaction's end settles the flush, whichever way it ends.
-    crate::hooks::ensure();
+    // From here on the transaction's end settles the flush, whichever way it ends (the
+    // caller registered the hooks that do: `hooks::ensure`).
     let written: Vec<(String, CounterValues)> = taken
         .iter()
         .map(|(_, (name, _), _, delta)| (name.clone(), *delta))

@@ -1,8 +1,11 @@
 //! Configuration. The settings that size or identify shared state are read once at server start
 //! (postmaster context); the flush interval follows reloads. The prefix is reserved so a typo is
-//! an error, not a silently ignored placeholder.
+//! an error, not a silently ignored placeholder. Also the search path our own statements and
+//! conversions run under (`pinned`).
 
+use pgrx::pg_sys;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
+use std::ffi::CStr;
 
 /// Default advisory-lock key: the date of the incident this extension answers (2026-07-25).
 pub const DEFAULT_LOCK_KEY: i32 = 20_260_725;
@@ -294,4 +297,31 @@ pub fn recovery_hold_us() -> i64 {
 pub fn reserve_prefix() {
     // SAFETY: called from _PG_init after our GUCs are defined (PG 15+ API).
     unsafe { pgrx::pg_sys::MarkGUCPrefixReserved(c"stage_e_slots".as_ptr()) };
+}
+
+/// The search path our own statements and conversions run under (`pinned`).
+const PINNED_SEARCH_PATH: &CStr = c"pg_catalog, pg_temp";
+
+/// Runs `f` with `search_path = pg_catalog, pg_temp`, restoring the caller's setting after.
+pub fn pinned<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: the fmgr_security_definer pattern. A new GUC nest level saves the setting; on the
+    // success path AtEOXact_GUC(true, level) pops it. If `f` raises an ERROR, the (sub)transaction
+    // abort pops every level above the surviving one, so the pinned value never leaks to the
+    // caller. GUC_ACTION_SAVE is also the action allowed in parallel mode.
+    unsafe {
+        let level = pg_sys::NewGUCNestLevel();
+        pg_sys::set_config_option(
+            c"search_path".as_ptr(),
+            PINNED_SEARCH_PATH.as_ptr(),
+            pg_sys::GucContext::PGC_USERSET,
+            pg_sys::GucSource::PGC_S_SESSION,
+            pg_sys::GucAction::GUC_ACTION_SAVE,
+            true,
+            0,
+            false,
+        );
+        let r = f();
+        pg_sys::AtEOXact_GUC(true, level);
+        r
+    }
 }

@@ -10,7 +10,7 @@
 //! - At subtransaction end, a flush made in it is settled or handed to its parent, and so are
 //!   the adaptive policy changes made in it.
 //! - At commit, the policy changes of `stage_e_adapt` / `stage_e_adapt_off` (whose rows the
-//!   transaction wrote) reach shared memory (`slots::adapt::apply_committed`); an abort drops
+//!   transaction wrote) reach shared memory (`slots::limits::apply_committed`); an abort drops
 //!   them with the rows.
 //! - `DROP EXTENSION stage_e_slots` (also through `DROP SCHEMA ... CASCADE` or `DROP OWNED`) is
 //!   noticed by an object-access hook, installed in `_PG_init` (the one hook every backend
@@ -18,16 +18,17 @@
 //!   the database's caps end (`slots::end_database`): leases freed, pending counts dropped.
 //!   A rolled-back drop changes nothing.
 //!
-//! Registered lazily, by the SQL functions that acquire (`api`) and by a flush (`flush`), before
-//! they act: `_PG_init` runs in the postmaster, whose exit callbacks children discard, and a
-//! backend that never takes a slot pays nothing. So this module sits above `slots` (whose
-//! `held` it calls) and `session` (whose state it settles), and nothing below calls it.
+//! Registered lazily (`ensure`), before they act, by the SQL functions that acquire, flush or
+//! change a policy (`api`, `compat`) and by the flushers (`worker`): `_PG_init` runs in the
+//! postmaster, whose exit callbacks children discard, and a backend that never takes a slot pays
+//! nothing. So this module sits above `slots` (whose `held` it calls) and `session` (whose state
+//! it settles), and only the floors above it call it (`src/lib.rs`).
 
+use crate::backend::BackendLocal;
 use crate::session;
 use crate::shmem;
 use crate::slots::held;
 use pgrx::pg_sys;
-use session::BackendLocal;
 use std::cell::Cell;
 
 static REGISTERED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
@@ -130,7 +131,7 @@ unsafe extern "C-unwind" fn on_xact_end(
         }
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
             session::settle_flush(true);
-            crate::slots::adapt::apply_committed(session::take_policies(true));
+            crate::slots::limits::apply_committed(session::take_policies(true));
             if DROPPED_IN.take().is_some() {
                 crate::slots::end_database();
             }

@@ -54,7 +54,7 @@ pub fn book(name: &str, covered: u32) -> Option<KeyBook> {
             .map(|row| Ok((row.get::<crate::names::Text>(1)?, row.get::<i32>(2)?)))
             .collect::<spi::Result<Vec<_>>>()
     })
-    .unwrap_or_else(|e| crate::errors::raise_internal(format!("reading the cap keys: {e}")));
+    .unwrap_or_else(|e| crate::report::raise_internal(format!("reading the cap keys: {e}")));
     let mut book = KeyBook {
         covered,
         ..KeyBook::default()

@@ -2,36 +2,41 @@
 //!
 //! `stage_e_try_slot(cap, n)` hands this session one of n slots of a named cap, each a
 //! session-level advisory lock, or NULL when all are taken; `stage_e_release(cap, slot)` gives it
-//! back and proves the caller held it. Modules, each depending only on those below it:
+//! back and proves the caller held it.
 //!
-//! - the SQL surface: `api` (by surface: slots, leases, stats, snapshot), `compat` (earlier
-//!   versions' symbols), `errors` (how failures are reported);
-//! - the logic: `slots` (acquire, release, leases; `slots::waiting`, the wait policy;
-//!   `slots::adapt`, adaptive caps;
-//!   `slots::held`, what happens to slots whose lock went away; `slots::durable`, the lifecycle
-//!   rules a call keeps; `slots::views`, what the views read), `flush` (durable counts),
-//!   `durable` (loading and advancing the lease horizons), `worker` (the launcher and
-//!   flushers), `hooks` (exit and transaction-end callbacks, and `DROP EXTENSION`);
-//! - this backend and Postgres: `session` (this backend's state, a leaf), `locks` (the lock
-//!   manager), `keys` (which advisory locks are a cap's slots), `shmem` (shared state, one
-//!   file per concern), `sql` (every statement we run),
-//!   `gucs` (settings), `ffi` (calls made without pgrx's guard), `names` (text in the server
-//!   encoding: names are UTF-8 inside, converted at the edge);
-//! - no server at all: the `stage_e_core` crate (slot bitmap, arena, directory, counters, the
-//!   segment layout and the lock-free protocols of shared memory, tested with threads).
+//! Floors, bottom to top: a module uses only modules on floors below its own, never one on its
+//! own floor or above (`make layers` checks it against this list; `stage_e_core`, the crate with
+//! no server at all, is below them all). Each line: what the floor holds (what it uses; the
+//! bottom floor uses none of ours):
+//!
+//! 1. `backend`, `failures`, `ffi`, `gucs`: backend statics, errors as data, raw calls, settings
+//! 2. `names`, `locks`: text at the encoding's edge, the lock manager (failures, gucs; ffi)
+//! 3. `report`, `sql`: ereport plumbing (`log`, `fail`), every statement we run (names, gucs)
+//! 4. `shmem`: shared state, one file per concern (report, failures, gucs, backend)
+//! 5. `session`: this backend's state and identity (shmem, names, gucs, ffi, backend)
+//! 6. `keys`, `flush`: which advisory locks are a cap's slots; durable counts (session, sql, ...)
+//! 7. `horizons`: loading and advancing the lease horizons (keys, session, shmem, sql, report)
+//! 8. `slots`: acquire, release, leases, waiting, adaptive caps, lifecycle (everything below)
+//! 9. `hooks`: exit and transaction-end callbacks, `DROP EXTENSION` (slots, session, shmem)
+//! 10. `errors`, `worker`: refusals in words (SQLSTATE, hint); the launcher, flushers (all below)
+//! 11. `api`: the SQL surface by part: slots, leases, adapt, held_back, stats, snapshot (all below)
+//! 12. `compat`: earlier versions' C symbols (api's row macro, errors, slots)
 
 #[macro_use]
 mod api;
+mod backend;
 mod compat;
-mod durable;
 mod errors;
+mod failures;
 mod ffi;
 mod flush;
 mod gucs;
 mod hooks;
+mod horizons;
 mod keys;
 mod locks;
 mod names;
+mod report;
 mod session;
 mod shmem;
 mod slots;

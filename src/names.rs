@@ -5,7 +5,7 @@
 //! databases of one server may have different encodings. So a name is UTF-8 everywhere inside,
 //! and this module converts at the edge, both ways, and is the only one that does:
 //!
-//! - In: a cap argument is [`CapArg`] (SQL `text`): its bytes are converted from the server
+//! - In: a cap argument is `api::CapArg` (SQL `text`): its bytes are converted from the server
 //!   encoding to UTF-8 when the function is called. In a UTF8 database that is nothing; in a
 //!   SQL_ASCII database (which stores whatever bytes it was sent) they must already be UTF-8,
 //!   or the call is refused with SQLSTATE 22021. `'café'` is then the same cap, with the same
@@ -19,9 +19,8 @@
 //! in every server encoding, so it is never converted; neither is anything in a UTF8 database
 //! (the encoding is read once per process): the cost there is one load and a compare.
 
-use crate::errors::raise;
-use crate::slots::SlotError;
-use pgrx::callconv::{Arg, ArgAbi, BoxRet, FcInfo};
+use crate::failures::SlotError;
+use pgrx::callconv::{BoxRet, FcInfo};
 use pgrx::pg_sys;
 use pgrx::{FromDatum, IntoDatum};
 use stage_e_core::directory::MAX_NAME;
@@ -81,34 +80,9 @@ fn server_encoding_name() -> &'static str {
 
 // -- in ------------------------------------------------------------------------------------------
 
-/// A cap name argument: SQL `text`, as UTF-8 (converted from the server encoding when the
-/// function is called, see the module's doc). Dereferences to the name.
-pub struct CapArg<'fcx>(Cow<'fcx, str>);
-
-impl std::ops::Deref for CapArg<'_> {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-// SAFETY: the SQL type is `text` (below), whose datum is a varlena, which is what `&[u8]`
-// unboxes; a NULL argument never reaches `unbox_arg_unchecked` (`Option<CapArg>` checks it, and
-// the default `unbox_nullable_arg` does).
-unsafe impl<'fcx> ArgAbi<'fcx> for CapArg<'fcx> {
-    unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
-        // SAFETY: per the trait's contract, a non-NULL `text` argument.
-        let bytes: &'fcx [u8] = unsafe { arg.unbox_unchecked() };
-        CapArg(name_in(bytes).unwrap_or_else(|e| raise(e)))
-    }
-}
-
-pgrx::impl_sql_translatable!(CapArg<'_>, arg_only = "TEXT");
-
 /// A name the server passed in, as UTF-8.
 #[inline]
-fn name_in(bytes: &[u8]) -> Result<Cow<'_, str>, SlotError> {
+pub fn name_in(bytes: &[u8]) -> Result<Cow<'_, str>, SlotError> {
     match server() {
         // SAFETY: the server checked the text on input (pgrx's `&str` makes the same use of it).
         Server::Utf8 => Ok(Cow::Borrowed(unsafe {
@@ -156,7 +130,7 @@ fn server_to_utf8(bytes: &[u8]) -> String {
     match server() {
         Server::Utf8 | Server::SqlAscii => String::from_utf8_lossy(bytes).into_owned(),
         Server::Other(_) if bytes.is_ascii() => String::from_utf8_lossy(bytes).into_owned(),
-        Server::Other(_) => crate::sql::pinned(|| {
+        Server::Other(_) => crate::gucs::pinned(|| {
             // SAFETY: the bytes and their length; the result is either the same pointer (no
             // conversion needed) or a palloc'd, NUL-terminated copy, read here and freed. A
             // character without a Unicode equivalent raises PostgreSQL's ERROR (class 22).
@@ -267,7 +241,7 @@ fn utf8_to_server(s: &str) -> Cow<'_, [u8]> {
     match server() {
         Server::Utf8 | Server::SqlAscii => Cow::Borrowed(s.as_bytes()),
         Server::Other(_) if s.is_ascii() => Cow::Borrowed(s.as_bytes()),
-        Server::Other(_) => crate::sql::pinned(|| {
+        Server::Other(_) => crate::gucs::pinned(|| {
             // SAFETY: as in `server_to_utf8`, the other way.
             unsafe {
                 let src = s.as_ptr().cast::<std::ffi::c_char>();
@@ -394,7 +368,7 @@ fn convert_for_message(s: &str, enc: i32) -> Option<Vec<u8>> {
     if !unsafe { pg_sys::IsTransactionState() } {
         return None;
     }
-    crate::sql::pinned(|| {
+    crate::gucs::pinned(|| {
         // SAFETY: a catalog lookup inside a transaction (search path pinned); then the
         // conversion with noError into a buffer of the worst-case size plus the NUL, which
         // returns how many input bytes it converted (all of them, or it stopped short).

@@ -1,10 +1,12 @@
 //! This backend: who it is, which slots it took through the extension, which caps it knows by
 //! name, where it waits, and the counter flush its transaction is making.
 //!
-//! A leaf: it keeps state and answers questions about this process, and calls nothing above it
-//! (the hooks that act on this state at transaction end and exit are in `hooks`, what they do to
-//! held slots in `slots::held`). All state is in [`BackendLocal`] statics: a backend is one thread.
+//! It keeps state and answers questions about this process, using only the floors below it
+//! (shared memory's handles, names, settings); the hooks that act on this state at transaction
+//! end and exit are in `hooks`, what they do to held slots in `slots::held`. All state is in
+//! [`BackendLocal`] statics: a backend is one thread.
 
+use crate::backend::BackendLocal;
 use crate::ffi;
 use crate::shmem::{CapRef, Flushed, PolicyChange, Ticket};
 use pgrx::pg_sys;
@@ -37,59 +39,6 @@ struct Flush {
     subxact: pg_sys::SubTransactionId,
 }
 
-/// A static of this backend's. A backend is one thread (pgrx refuses a call into PostgreSQL from
-/// any other), and `thread_local!` in a dynamically loaded library costs a `__tls_get_addr` call
-/// per access, several per acquire+release pair: so this backend's state is in process statics.
-pub struct BackendLocal<T>(T);
-
-// SAFETY: only the backend's own thread runs this crate's SQL functions, hooks and workers
-// (pgrx checks it on every call into PostgreSQL), so nothing here is touched by another thread.
-unsafe impl<T> Sync for BackendLocal<T> {}
-
-impl<T> BackendLocal<T> {
-    pub const fn new(value: T) -> Self {
-        BackendLocal(value)
-    }
-}
-
-impl<T> BackendLocal<RefCell<T>> {
-    pub fn with_borrow<R>(&self, f: impl FnOnce(&T) -> R) -> R {
-        f(&self.0.borrow())
-    }
-
-    pub fn with_borrow_mut<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
-        f(&mut self.0.borrow_mut())
-    }
-
-    pub fn set(&self, value: T) {
-        self.0.replace(value);
-    }
-
-    pub fn take(&self) -> T
-    where
-        T: Default,
-    {
-        self.0.take()
-    }
-}
-
-impl<T: Copy> BackendLocal<Cell<T>> {
-    pub fn get(&self) -> T {
-        self.0.get()
-    }
-
-    pub fn set(&self, value: T) {
-        self.0.set(value)
-    }
-
-    pub fn take(&self) -> T
-    where
-        T: Default,
-    {
-        self.0.take()
-    }
-}
-
 /// Slots this backend acquired through the extension and has not released.
 static TRACKED: BackendLocal<RefCell<Vec<Held>>> = BackendLocal::new(RefCell::new(Vec::new()));
 /// Caps this backend has used, by name (a backend's database never changes); the entry's
@@ -100,7 +49,7 @@ static DEFAULT: BackendLocal<Cell<Option<CapRef>>> = BackendLocal::new(Cell::new
 /// The queue this backend waits in, if it is waiting (for the exit hook).
 static WAITING: BackendLocal<Cell<Option<(CapRef, Ticket)>>> = BackendLocal::new(Cell::new(None));
 static RECOVERY_DONE: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
-/// Whether this backend has seen its database's durable state loaded (`slots::durable`): once
+/// Whether this backend has seen its database's durable state loaded (`slots::admission`): once
 /// loaded, it stays loaded for the life of the segment, which outlives this backend.
 static DATABASE_LOADED: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
 static FLUSH: BackendLocal<RefCell<Option<Flush>>> = BackendLocal::new(RefCell::new(None));

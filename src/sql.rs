@@ -16,6 +16,7 @@
 //! version of the database's objects. The extension scripts (`sql/`) follow the same rule for
 //! view bodies.
 
+use crate::gucs;
 use crate::names::Text;
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
@@ -26,40 +27,14 @@ use stage_e_core::histogram::BUCKETS;
 use stage_e_core::version::SchemaVersion;
 use std::ffi::CStr;
 
-const PINNED_SEARCH_PATH: &CStr = c"pg_catalog, pg_temp";
-
-/// Runs `f` with `search_path = pg_catalog, pg_temp`, restoring the caller's setting after.
-pub fn pinned<R>(f: impl FnOnce() -> R) -> R {
-    // SAFETY: the fmgr_security_definer pattern. A new GUC nest level saves the setting; on the
-    // success path AtEOXact_GUC(true, level) pops it. If `f` raises an ERROR, the (sub)transaction
-    // abort pops every level above the surviving one, so the pinned value never leaks to the
-    // caller. GUC_ACTION_SAVE is also the action allowed in parallel mode.
-    unsafe {
-        let level = pg_sys::NewGUCNestLevel();
-        pg_sys::set_config_option(
-            c"search_path".as_ptr(),
-            PINNED_SEARCH_PATH.as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
-            true,
-            0,
-            false,
-        );
-        let r = f();
-        pg_sys::AtEOXact_GUC(true, level);
-        r
-    }
-}
-
 /// A read-only query session with the search path pinned; assigns no transaction id.
 pub fn read<R>(f: impl FnOnce(&SpiClient<'_>) -> spi::Result<R>) -> spi::Result<R> {
-    pinned(|| Spi::connect(f))
+    gucs::pinned(|| Spi::connect(f))
 }
 
 /// One writing statement with the search path pinned.
 pub fn write(query: &str, args: &[DatumWithOid<'_>]) -> spi::Result<()> {
-    pinned(|| Spi::connect_mut(|c| c.update(query, None, args).map(|_| ())))
+    gucs::pinned(|| Spi::connect_mut(|c| c.update(query, None, args).map(|_| ())))
 }
 
 /// One writing statement with the search path pinned, returning its rows as `f` reads them.
@@ -68,7 +43,7 @@ pub fn write_returning<R>(
     args: &[DatumWithOid<'_>],
     f: impl FnOnce(spi::SpiTupleTable<'_>) -> spi::Result<R>,
 ) -> spi::Result<R> {
-    pinned(|| Spi::connect_mut(|c| f(c.update(query, None, args)?)))
+    gucs::pinned(|| Spi::connect_mut(|c| f(c.update(query, None, args)?)))
 }
 
 /// A flusher waits at most this long for a lock (on the counter rows, the horizon rows) before

@@ -15,15 +15,15 @@
 //! differently: each worker pins its settings (`sql::pin_worker_settings`), and a database
 //! closed to new connections is flushed all the same (`BGWORKER_BYPASS_ALLOWCONN`).
 //!
-//! Flushers also keep the durable lease state (`durable`, `docs/lifecycle.md`): a flusher loads
+//! Flushers also keep the durable lease state (`horizons`, `docs/lifecycle.md`): a flusher loads
 //! its database after a start, and writes the lease horizons, token floors and journals that
 //! are due. Those are asked for by backends (an advance, a load: the launcher runs at once) and
 //! looked for every second while any lease is live; counters keep their own interval.
 
-use crate::durable;
-use crate::errors;
 use crate::flush::{self, Write};
 use crate::gucs;
+use crate::horizons;
+use crate::report;
 use crate::session;
 use crate::shmem;
 use crate::slots;
@@ -93,9 +93,9 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
             slots::expire_leases_everywhere();
             last_sample = Some(now);
         }
-        let adaptive = slots::adapt::any();
+        let adaptive = slots::limits::any();
         if adaptive && last_adapt.is_none_or(|t| now >= t + ADAPT_EVERY) {
-            slots::adapt::tick();
+            slots::limits::tick();
             last_adapt = Some(now);
         }
         let due = last_round + interval;
@@ -265,14 +265,14 @@ fn durable_work() -> Vec<u32> {
     let mut dbs = shmem::databases_to_load();
     dbs.extend(shmem::databases_with_horizon_work(
         session::now(),
-        durable::JOURNAL_EVERY_US,
+        horizons::JOURNAL_EVERY_US,
     ));
     dbs.sort_unstable();
     dbs.dedup();
     dbs
 }
 
-/// One flusher per database with work, one after another: the durable lease state of `durable`
+/// One flusher per database with work, one after another: the durable lease state of `horizons`
 /// databases, with `counters` the pending counts of every database that has some, and with
 /// `sweep` the retention rule in every database with caps or loaded since the start. Returns
 /// the databases whose flusher did not commit; `failing` learns whose counts could not be
@@ -293,7 +293,7 @@ fn flush_round(counters: bool, sweep: bool, durable: Vec<u32>, failing: &mut Fai
         for db in shmem::databases_with_pending() {
             add(db, COUNTERS_BIT);
         }
-        // Learned limits are written by any flusher of their database (`slots::adapt`).
+        // Learned limits are written by any flusher of their database (`slots::limits`).
         for db in shmem::databases_with_limits_to_write() {
             add(db, 0);
         }
@@ -352,7 +352,7 @@ fn reclaim_dropped() {
     for db in dbs {
         if !BackgroundWorker::transaction(|| session::database_exists(db)) {
             shmem::reclaim_database(db);
-            slots::adapt::end_database(db);
+            slots::limits::end_database(db);
         }
     }
 }
@@ -413,19 +413,19 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         let ext = sql::extension();
         let loaded = shmem::loaded(db.to_u32());
         if loaded.is_none() {
-            if let Err(e) = durable::load(db.to_u32(), ext.as_ref()) {
-                errors::fail(format!(
+            if let Err(e) = horizons::load(db.to_u32(), ext.as_ref(), &slots::limits::restore) {
+                report::fail(format!(
                     "stage_e_slots: could not load database {}: {e}",
                     db.to_u32()
                 ));
             }
         } else if loaded != Some(ext.as_ref().is_some_and(|e| e.version.has_lease_horizon())) {
             // Updated (or the extension dropped) since it was loaded.
-            durable::load(db.to_u32(), ext.as_ref()).ok();
+            horizons::load(db.to_u32(), ext.as_ref(), &slots::limits::restore).ok();
         }
         let written = match &ext {
-            Some(ext) => durable::advance(ext).unwrap_or_else(|e| {
-                errors::fail(format!(
+            Some(ext) => horizons::advance(ext).unwrap_or_else(|e| {
+                report::fail(format!(
                     "stage_e_slots: could not write the lease horizons of database {}: {e}",
                     db.to_u32()
                 ))
@@ -433,10 +433,11 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
             None => Vec::new(),
         };
         if counters {
+            crate::hooks::ensure(); // settles the flush at the transaction's end
             match flush::flush(Write::Add, None, false) {
                 Ok(Some(_)) => {}
                 Ok(None) => drop_orphaned(db),
-                Err(e) => errors::fail(format!(
+                Err(e) => report::fail(format!(
                     "stage_e_slots: flush of database {} failed: {e}",
                     db.to_u32()
                 )),
@@ -444,8 +445,8 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
         }
         // Adaptive caps' learned limits, so that a restart resumes from them.
         let limits = match &ext {
-            Some(ext) => slots::adapt::write_limits(ext).unwrap_or_else(|e| {
-                errors::fail(format!(
+            Some(ext) => slots::limits::write_limits(ext).unwrap_or_else(|e| {
+                report::fail(format!(
                     "stage_e_slots: could not write the adaptive limits of database {}: {e}",
                     db.to_u32()
                 ))
@@ -456,7 +457,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
             let keep = written.iter().filter_map(|w| w.name()).collect();
             match flush::expire(ext, retention, keep) {
                 Ok((0, _)) => {}
-                Ok((rows, horizons)) => errors::log(format!(
+                Ok((rows, horizons)) => report::log(format!(
                     "stage_e_slots: deleted the counter rows of {rows} cap(s) of database \"{}\" \
                      unused for longer than stage_e_slots.counter_retention ({} s){}{}",
                     sql::current_database(),
@@ -472,7 +473,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
                         ""
                     }
                 )),
-                Err(e) => errors::fail(format!(
+                Err(e) => report::fail(format!(
                     "stage_e_slots: the counter retention of database {} failed: {e}",
                     db.to_u32()
                 )),
@@ -483,7 +484,7 @@ pub extern "C-unwind" fn stage_e_slots_flusher_main(arg: pg_sys::Datum) {
     let (written, limits) = written;
     shmem::limits_written(db.to_u32(), &limits);
     // Committed: grants may now rely on it.
-    durable::publish(written);
+    horizons::publish(written);
     shmem::note_flusher_commit(db.to_u32());
 }
 

@@ -2,8 +2,10 @@
 //! `stage_e_cap_limits` (`sql/schema/views.sql`). Both changes are restricted (EXECUTE revoked
 //! from PUBLIC, `sql/schema/privileges.sql`): a cap's limit binds every role that uses it.
 
+use super::CapArg;
 use crate::errors::raise;
-use crate::names::{CapArg, Text};
+use crate::hooks;
+use crate::names::Text;
 use crate::slots;
 use crate::sql;
 use pgrx::datetime::TimestampWithTimeZone;
@@ -19,13 +21,15 @@ fn stage_e_adapt(
     max_slots: Option<i32>,
     enforce: default!(Option<bool>, "true"),
 ) {
-    slots::adapt::adapt(cap.as_deref(), min_slots, max_slots, enforce).unwrap_or_else(|e| raise(e))
+    hooks::ensure(); // applies the change at the commit
+    slots::limits::adapt(cap.as_deref(), min_slots, max_slots, enforce).unwrap_or_else(|e| raise(e))
 }
 
 /// Returns cap `cap` to the caller's n alone, from the commit of the calling transaction.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_adapt_off(cap: Option<CapArg<'_>>) {
-    slots::adapt::adapt_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
+    hooks::ensure(); // applies the change at the commit
+    slots::limits::adapt_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
 }
 
 /// One row per adaptive cap of the current database: its limit, bounds, what it learned, and
@@ -47,7 +51,7 @@ fn stage_e_cap_limits_internal() -> TableIterator<
         name!(reason, Text),
     ),
 > {
-    let rows = slots::adapt::cap_limits().unwrap_or_else(|e| raise(e));
+    let rows = slots::limits::cap_limits().unwrap_or_else(|e| raise(e));
     let us = |x: Option<f64>| x.map(|us| sql::interval_us(us.round() as u64));
     TableIterator::new(rows.into_iter().map(move |r| {
         (

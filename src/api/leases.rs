@@ -2,10 +2,11 @@
 //! `stage_e_slot_token`, `stage_e_cap_key`). The result type `stage_e_lease_slot` is in
 //! `sql/schema/lease_slot_type.sql`.
 
+use super::CapArg;
 use super::{to_micros, to_wait};
-use crate::errors::{raise, raise_internal, warn_expired, warn_not_current};
+use crate::errors::{raise, warn_expired, warn_not_current};
 use crate::hooks;
-use crate::names::CapArg;
+use crate::report::raise_internal;
 use crate::slots::{self, LeaseAction};
 use pgrx::prelude::*;
 

@@ -1,19 +1,48 @@
-//! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and
-//! tokens), `adapt` (adaptive caps), `lifecycle` (held-back caps), `stats` (counters, holders,
-//! waiters, load, flush and reset), `snapshot` (the jsonb document). Each function translates arguments, calls `slots` or `flush`, and maps errors
-//! (`errors`). Slot functions are VOLATILE and PARALLEL UNSAFE (advisory locks are refused in
-//! parallel workers). Arguments are `Option` so a NULL reaches us and becomes a class-22 ERROR
-//! rather than a silent NULL from a STRICT function. The one-argument forms are the cap
-//! `default`. No two functions of one name take the same number of arguments, so a call whose
-//! parameters are all untyped (as node-postgres and asyncpg send them) resolves to exactly one
-//! (tests/test_overloads.py). Every other SQL object is in `sql/schema/`; functions of earlier
-//! versions whose shape changed, or that were retired, keep their C symbols in `compat`.
+//! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and tokens),
+//! `adapt` (adaptive caps), `held_back` (caps held back after a crash), `stats` (counters, holders,
+//! waiters, load, flush and reset), `snapshot` (the jsonb document). Each function translates
+//! arguments, calls `slots` or `flush`, and maps errors (`errors`). Slot functions are VOLATILE and
+//! PARALLEL UNSAFE (advisory locks are refused in parallel workers). Arguments are `Option` so a
+//! NULL reaches us and becomes a class-22 ERROR rather than a silent NULL from a STRICT function.
+//! The one-argument forms are the cap `default`. No two functions of one name take the same number
+//! of arguments, so a call whose parameters are all untyped (as node-postgres and asyncpg send
+//! them) resolves to exactly one (tests/test_overloads.py). Every other SQL object is in
+//! `sql/schema/`; functions of earlier versions whose shape changed, or that were retired, keep
+//! their C symbols in `compat`.
 
 use crate::errors::raise;
-use crate::slots::SlotError;
+use crate::failures::SlotError;
+use crate::names;
 use crate::sql;
+use pgrx::callconv::{Arg, ArgAbi};
 use pgrx::prelude::*;
 use stage_e_core::wait::{self, Wait};
+use std::borrow::Cow;
+
+/// A cap name argument: SQL `text`, as UTF-8 (converted from the server encoding when the
+/// function is called, see `names`' doc). Dereferences to the name.
+pub struct CapArg<'fcx>(Cow<'fcx, str>);
+
+impl std::ops::Deref for CapArg<'_> {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+// SAFETY: the SQL type is `text` (below), whose datum is a varlena, which is what `&[u8]`
+// unboxes; a NULL argument never reaches `unbox_arg_unchecked` (`Option<CapArg>` checks it, and
+// the default `unbox_nullable_arg` does).
+unsafe impl<'fcx> ArgAbi<'fcx> for CapArg<'fcx> {
+    unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
+        // SAFETY: per the trait's contract, a non-NULL `text` argument.
+        let bytes: &'fcx [u8] = unsafe { arg.unbox_unchecked() };
+        CapArg(names::name_in(bytes).unwrap_or_else(|e| raise(e)))
+    }
+}
+
+pgrx::impl_sql_translatable!(CapArg<'_>, arg_only = "TEXT");
 
 /// Defines a `#[pg_extern]` returning rows of some leading columns followed by the counters,
 /// so the counter columns are listed in one place (`stage_e_core::counters`' list, passed in by
@@ -34,8 +63,8 @@ macro_rules! counter_table_fn {
 }
 
 mod adapt;
+mod held_back;
 mod leases;
-mod lifecycle;
 pub(crate) mod slots;
 mod snapshot;
 mod stats;

@@ -2,9 +2,9 @@
 //! `stage_e_release`, `stage_e_release_all`, `stage_e_holding`).
 
 use super::to_wait;
+use super::CapArg;
 use crate::errors::{raise, warn_not_held};
 use crate::hooks;
-use crate::names::CapArg;
 use crate::slots::{self, Caps, Release};
 use pgrx::prelude::*;
 use stage_e_core::directory::DEFAULT_CAP;

@@ -1,10 +1,11 @@
 //! `stage_e_snapshot()`: configuration, per-cap totals and pending counts, and current holders
 //! as one jsonb document, for monitoring agents.
 
-use crate::errors::{raise, raise_internal, raise_not_installed};
+use crate::errors::{raise, raise_not_installed};
 use crate::flush;
 use crate::gucs;
 use crate::names::{Json, Text};
+use crate::report::raise_internal;
 use crate::shmem;
 use crate::slots;
 use crate::sql;

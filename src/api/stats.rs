@@ -1,10 +1,12 @@
 //! Counters and what is held and waited for: `stage_e_stats`, the holders', waiters' and load
 //! views' functions, `stage_e_flush`, `stage_e_reset_stats`, `stage_e_pending`.
 
+use super::CapArg;
 use crate::errors::{raise, raise_flush, raise_not_installed};
 use crate::flush::{self, Write};
 use crate::gucs;
-use crate::names::{CapArg, Text};
+use crate::hooks;
+use crate::names::Text;
 use crate::slots;
 use crate::sql;
 use pgrx::datetime::TimestampWithTimeZone;
@@ -156,6 +158,7 @@ for_each_counter!(counter_table_fn,
 /// Flushes every cap now; the rows of `stage_e_flush()`: what it added, per cap.
 pub fn flush_rows() -> Vec<((Text,), CounterValues)> {
     slots::ready().unwrap_or_else(|e| raise(e));
+    hooks::ensure();
     flush::flush(Write::Add, None, true)
         .unwrap_or_else(|e| raise_flush(e))
         .unwrap_or_else(|| raise_not_installed())
@@ -180,6 +183,7 @@ fn stage_e_reset_stats_cap(cap: Option<CapArg<'_>>) {
 
 fn reset(cap: Option<&str>) {
     slots::ready().unwrap_or_else(|e| raise(e));
+    hooks::ensure();
     let dropped: u64 = flush::flush(Write::Reset, cap, true)
         .unwrap_or_else(|e| raise_flush(e))
         .unwrap_or_else(|| raise_not_installed())
@@ -190,7 +194,7 @@ fn reset(cap: Option<&str>) {
         Some(c) => format!("cap \"{c}\" of database \"{}\"", sql::current_database()),
         None => format!("database \"{}\"", sql::current_database()),
     };
-    crate::errors::log(format!(
+    crate::report::log(format!(
         "stage_e_slots: counters of {what} reset by role \"{}\" (table zeroed, {dropped} pending \
          throttles dropped)",
         sql::current_role()

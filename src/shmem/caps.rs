@@ -11,17 +11,19 @@
 //! larger block; its holders keep their slots.
 //!
 //! **Reclaiming.** A cap with no pin, no occupied slot, no waiter, nothing pending for the table
-//! and no flush in progress, not held back (`durable`), is idle, and is reclaimed when room is needed (an entry or a block);
-//! its counts are already in its counter row. A cap of a dropped database is reclaimed with its
-//! pending counts (logged). Only when the caps truly in use fill `max_caps` or the arena does a
-//! create fail; a create that finds everything in use asks the launcher for a flush round (so
-//! idle caps' counts reach their rows) and waits up to [`ROOM_WAIT`] for it.
+//! and no flush in progress, not held back (`committed`), is idle, and is reclaimed when room is
+//! needed (an entry or a block); its counts are already in its counter row. A cap of a dropped
+//! database is reclaimed with its pending counts (logged). Only when the caps truly in use fill
+//! `max_caps` or the arena does a create fail; a create that finds everything in use asks the
+//! launcher for a flush round (so idle caps' counts reach their rows) and waits up to [`ROOM_WAIT`]
+//! for it.
 
-use super::durable;
+use super::databases::{self, sorted};
 use super::entry::{CapEntry, Identity};
 use super::launcher::request_flush;
 use super::segment::{directory_locked, segment, Segment, EXCLUSIVE, SHARED};
 use super::Cap;
+use crate::failures::{CapError, Pool};
 use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena;
@@ -29,33 +31,6 @@ use stage_e_core::directory;
 use stage_e_core::share;
 use stage_e_core::state::{CapRef, Refused};
 use std::sync::atomic::Ordering;
-
-/// Why a cap could not be created or grown.
-#[derive(Debug, PartialEq)]
-pub enum CapError {
-    /// `max_caps` caps are in use (held slots, or counts not yet flushed).
-    NoEntry { max_caps: u32, held: u32 },
-    /// The arena has no block large enough.
-    NoMemory { slots: u32 },
-    /// Another cap of this database uses the same lock key (a key that cannot move: the
-    /// `default` cap's, or any key in a database not yet updated to 0.7.0).
-    KeyCollision { other: String, key: i32 },
-    /// Every key the book covers is held (the create reads the book again, covering more).
-    KeysExhausted { covered: u32 },
-    /// The cap stayed pinned too long to be grown (a backend died mid-call).
-    Busy,
-    /// This database holds its share (`stage_e_slots.database_share`, `share` percent) of
-    /// `pool`: `limit` caps or slot-memory pages.
-    OverShare { pool: Pool, share: u32, limit: u64 },
-}
-
-/// A server-wide pool that databases share.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pool {
-    Caps,
-    SlotMemory,
-    Leases,
-}
 
 /// How long a create waits for a flush round to make idle caps reclaimable.
 const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(1_000);
@@ -394,7 +369,7 @@ impl Segment {
                     p.acquired, p.throttled
                 )
             };
-            crate::errors::log(format!(
+            crate::report::log(format!(
                 "stage_e_slots: reclaimed cap \"{}\" of dropped database {}{counts}",
                 e.name(),
                 e.database(),
@@ -616,7 +591,7 @@ pub fn reclaim_database(db: u32) {
     for cap in caps(Some(db)) {
         let ended = cap.expire_leases(i64::MAX);
         if !ended.is_empty() {
-            crate::errors::log(format!(
+            crate::report::log(format!(
                 "stage_e_slots: freed {} lease{} of cap \"{}\" of dropped database {db}",
                 ended.len(),
                 if ended.len() == 1 { "" } else { "s" },
@@ -632,7 +607,7 @@ pub fn reclaim_database(db: u32) {
         }
     });
     if !seg.live().any(|e| e.database() == db) {
-        durable::forget_database(db);
+        databases::forget_database(db);
     }
 }
 
@@ -680,13 +655,6 @@ pub fn busy_caps(db: u32) -> Vec<String> {
         })
         .map(|cap| cap.name())
         .collect()
-}
-
-/// Sorted, each once.
-pub(super) fn sorted(mut dbs: Vec<u32>) -> Vec<u32> {
-    dbs.sort_unstable();
-    dbs.dedup();
-    dbs
 }
 
 /// Databases that have caps with counts pending, for the launcher.

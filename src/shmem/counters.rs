@@ -5,22 +5,18 @@
 //! They share their cache lines with the other fields that change as slots are taken (the
 //! fencing token and the lease fields, `leases`), away from the fields every call only reads.
 //!
-//! **Flush seqlock.** `carried`, `flushed`, `inflight`, `inflight_id` and `settled_id` change
-//! only in the
-//! process that holds the cap's flusher role (a CAS on `flusher`, taken by `flush`), as one
+//! **Flush seqlock.** `carried`, `flushed`, `inflight`, `inflight_id` and `settled_id` change only
+//! in the process that holds the cap's flusher role (a CAS on `flusher`, taken by `flush`), as one
 //! seqlock write: `version` is odd while they change. Readers ([`CapEntry::flush_state`]) retry
 //! until they read an even, unchanged version, so the pending counts they compute are from one
 //! consistent state. A cap whose role is held is never reclaimed, so the role needs no pin.
 
 use super::entry::CapEntry;
+use super::records::Counters;
 use super::Cap;
-use stage_e_core::counters::{Counter, CounterValues, FlushState, COUNT};
+use stage_e_core::counters::{Counter, CounterValues, FlushState};
 use stage_e_core::histogram::HistValues;
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
-
-/// One value per counter, in `CounterValues::NAMES` order.
-#[repr(C)]
-pub struct Counters([AtomicU64; COUNT]);
+use std::sync::atomic::Ordering;
 
 impl Counters {
     pub fn bump(&self, which: Counter, by: u64) {
@@ -36,18 +32,6 @@ impl Counters {
             c.store(x, Ordering::Relaxed);
         }
     }
-}
-
-/// The counters every call bumps, on cache lines of their own, with the other fields that
-/// change as slots are taken.
-#[repr(C, align(64))]
-pub(super) struct HotCounters {
-    pub(super) counts: Counters,
-    /// Live leases, and no lease expires before `lease_due` (a lower bound; `leases`).
-    pub(super) leases: AtomicU32,
-    /// Lease grants between their room check and their lease record (`durable`'s "Quiet").
-    pub(super) granting: AtomicU32,
-    pub(super) lease_due: AtomicI64,
 }
 
 impl CapEntry {

@@ -6,47 +6,19 @@
 //! reads them without a lock. The other fields have protocols of their own, each in the file of
 //! its concern: the counters and the flush seqlock (`counters`), the waiters and the front
 //! seats (`waitq`), the lease fields (`leases`), the load averages (`load`), the durable
-//! horizon, floor and hold (`durable`), the adaptive limit (`adaptive`, kept in the durable
+//! horizon, floor and hold (`committed`), the adaptive limit (`policies`, kept in the durable
 //! line, which every acquisition reads), the histograms (`histograms`).
 //!
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
 
-use super::counters::{Counters, HotCounters};
-use super::durable::Durable;
-use super::histograms::Histograms;
+use super::records::{
+    load_name, store_name, Counters, Durable, Histograms, HotCounters, NAME_WORDS,
+};
 use stage_e_core::front::Front;
 use stage_e_core::load::Averages;
 use stage_e_core::state::State;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
-
-/// Bytes of a cap's name at most (`directory::MAX_NAME`, rounded up to words).
-pub(super) const NAME_WORDS: usize = 8;
-
-/// A name (at most `NAME_WORDS * 8` bytes) into words, as entries and policies keep it.
-pub(super) fn store_name(words: &[AtomicU64; NAME_WORDS], len: &AtomicU32, name: &str) {
-    let mut bytes = [0u8; NAME_WORDS * 8];
-    let n = name.len().min(bytes.len());
-    bytes[..n].copy_from_slice(&name.as_bytes()[..n]);
-    for (w, chunk) in words.iter().zip(bytes.chunks(8)) {
-        w.store(
-            u64::from_le_bytes(chunk.try_into().expect("8 bytes")),
-            Ordering::Relaxed,
-        );
-    }
-    len.store(n as u32, Ordering::Relaxed);
-}
-
-/// The name [`store_name`] stored.
-pub(super) fn load_name(words: &[AtomicU64; NAME_WORDS], len: &AtomicU32) -> String {
-    let len = len.load(Ordering::Relaxed) as usize;
-    let bytes: Vec<u8> = words
-        .iter()
-        .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
-        .take(len.min(NAME_WORDS * 8))
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
-}
 
 #[repr(C)]
 pub(super) struct CapEntry {
@@ -67,7 +39,7 @@ pub(super) struct CapEntry {
     name: [AtomicU64; NAME_WORDS],
     /// Waiters in the queue (read by every call; `waitq`).
     pub(super) waiters: AtomicU32,
-    /// The n of the cap's latest acquisition (written only when it changes; `durable`).
+    /// The n of the cap's latest acquisition (written only when it changes; `committed`).
     pub(super) latest_n: AtomicU32,
     /// Id of the flush in progress (0 = none; its delta is `inflight`), and the seqlock over
     /// carried/flushed/inflight (`counters`).
@@ -92,7 +64,7 @@ pub(super) struct CapEntry {
     /// The id of the cap's last settled flush, whose delta `inflight` still holds (0 = none;
     /// `counters`). Rarely written, so it takes the padding after the load averages.
     pub(super) settled_id: AtomicU64,
-    /// The committed lease horizon and token floor, the hold, the journal (`durable`).
+    /// The committed lease horizon and token floor, the hold, the journal (`committed`).
     pub(super) durable: Durable,
     /// The hold and wait histograms, and what of them is flushed (`histograms`).
     pub(super) hist: Histograms,

@@ -13,15 +13,10 @@
 //! no in-flight delta is kept either.
 
 use super::entry::CapEntry;
+use super::records::Histograms;
 use super::Cap;
 use stage_e_core::histogram::{self, HistValues, Metric, VALUES};
 use std::sync::atomic::{AtomicU64, Ordering};
-
-#[repr(C, align(64))]
-pub(super) struct Histograms {
-    counts: [AtomicU64; VALUES],
-    base: [AtomicU64; VALUES],
-}
 
 fn load(a: &[AtomicU64; VALUES]) -> HistValues {
     HistValues(std::array::from_fn(|i| a[i].load(Ordering::Relaxed)))

@@ -7,17 +7,7 @@
 
 use super::segment::segment;
 use pgrx::pg_sys;
-use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
-
-/// The header's launcher fields.
-#[repr(C)]
-pub(super) struct Launcher {
-    /// Set when a create found the directory crowded: the launcher flushes at once, so that
-    /// idle caps' counts reach their rows and the caps become reclaimable.
-    flush_requested: AtomicU32,
-    /// The launcher's PGPROC, to set its latch; null when it is not running.
-    proc_: AtomicPtr<pg_sys::PGPROC>,
-}
+use std::sync::atomic::Ordering;
 
 /// A unique, increasing id for the next flush.
 pub fn next_flush_id(now_us: u64) -> u64 {

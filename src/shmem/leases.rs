@@ -25,44 +25,17 @@
 //! own token (`restore_lease`): at start from the lease file of a clean shutdown, by the loader
 //! from the journal after a crash or a promotion. Its record names pid 0 (no live backend).
 
-use super::durable;
+use super::databases;
 use super::entry::CapEntry;
 use super::pin::pin;
-use super::segment::segment;
+use super::records::LeaseRecord;
+use super::segment::{raise_tokens, segment};
 use super::Cap;
 use pgrx::pg_sys;
-use stage_e_core::lease::{self, LeaseState};
+use stage_e_core::lease;
 use stage_e_core::occupancy;
 use stage_e_core::state::CapRef;
-use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
-
-/// The server's last token (0 when not attached).
-pub(super) fn last_token() -> u64 {
-    segment().map_or(0, |seg| seg.header.tokens.last())
-}
-
-/// Tokens go on above `floor`.
-pub(super) fn raise_tokens(floor: u64) {
-    if let Some(seg) = segment() {
-        seg.header.tokens.raise(floor);
-    }
-}
-
-/// A lease: FREE, or LIVE on slot `slot` of the cap in entry `entry` at `generation`, or BUSY
-/// while one process reads and changes it.
-#[repr(C)]
-pub(super) struct LeaseRecord {
-    state: LeaseState,
-    entry: AtomicU32,
-    generation: AtomicU32,
-    slot: AtomicU32,
-    pid: AtomicI32,
-    /// The role that took the lease.
-    owner: AtomicU32,
-    token: AtomicU64,
-    acquired_at: AtomicI64,
-    expires_at: AtomicI64,
-}
+use std::sync::atomic::Ordering;
 
 /// A live lease as the holders view and the sweeps see it.
 #[derive(Clone, Copy, Debug)]
@@ -170,13 +143,13 @@ impl Cap {
         share_limit: u64,
     ) -> Result<(), LeaseRefused> {
         let db = self.database();
-        if !durable::take_lease_share(db, Some(share_limit)) {
+        if !databases::take_lease_share(db, Some(share_limit)) {
             return Err(LeaseRefused::OverShare);
         }
         // SAFETY: this process's pid, set at start.
         let pid = unsafe { pg_sys::MyProcPid };
         if !self.record_lease(Taker { pid, owner }, slot, token, now, expires_at) {
-            durable::give_lease_share(db);
+            databases::give_lease_share(db);
             return Err(LeaseRefused::NoRecord);
         }
         Ok(())
@@ -199,7 +172,7 @@ impl Cap {
         let Some(claim) = occupancy::claim_first_free(self.bits(), slot, slot + 1) else {
             return false;
         };
-        durable::take_lease_share(self.database(), None);
+        databases::take_lease_share(self.database(), None);
         if !self.record_lease(
             Taker { pid: 0, owner },
             slot,
@@ -207,7 +180,7 @@ impl Cap {
             acquired_at,
             expires_at,
         ) {
-            durable::give_lease_share(self.database());
+            databases::give_lease_share(self.database());
             return false; // dropping the claim clears the bit
         }
         claim.keep();
@@ -274,7 +247,7 @@ impl Cap {
         self.record(info.slot).clear();
         occupancy::clear(self.bits(), info.slot);
         self.entry().counters.leases.fetch_sub(1, Ordering::AcqRel);
-        durable::give_lease_share(self.database());
+        databases::give_lease_share(self.database());
         r.state.free();
         self.note_lease_change();
         self.wake_front();

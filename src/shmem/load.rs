@@ -28,7 +28,7 @@ impl CapEntry {
 pub fn sample_load(now_us: i64) {
     for cap in caps(None) {
         let e = cap.entry();
-        let held = super::adaptive::held_bits(&cap);
+        let held = super::policies::held_bits(&cap);
         let throttled = e.counters.counts.load().throttled;
         let last_us = e.load_last_us.swap(now_us, Ordering::Relaxed);
         let last_throttled = e.load_last_throttled.swap(throttled, Ordering::Relaxed);

@@ -2,27 +2,50 @@
 //! Each file opens with the protocol it keeps (which lock or atomic guards what); the design as
 //! a whole is in `docs/design.md`.
 //!
-//! - `segment`: the segment's layout, the request and startup hooks, attaching, the LWLocks;
-//! - `entry`: a cap's entry (`#[repr(C)]`, its size asserted) and its slots' holder records;
-//! - `pin`: pinning an entry (hazard slots, counted pins) and the pinned handle [`Cap`];
-//! - `caps`: finding, creating, growing and reclaiming caps;
-//! - `counters`: the hot counters and the flush seqlock over a cap's bookkeeping;
-//! - `histograms`: a cap's hold and wait histograms, and their flush base;
-//! - `waitq`: a cap's queue of waiters;
-//! - `leases`: slots held by a token, and fencing tokens;
-//! - `load`: load averages, sampled by the launcher;
-//! - `adaptive`: adaptive caps' policies and what they learned, the enforced limit;
-//! - `durable`: the committed lease horizon and token floor, holds, databases loaded;
-//! - `persist`: pending counts and leases across a clean restart;
-//! - `launcher`: waking the background launcher, flush ids.
+//! Interface (all that the rest of the crate uses; nothing else is exported):
 //!
-//! Outside this folder, shared memory is reached only through a pinned [`Cap`] and the
-//! functions re-exported here.
+//! - a pinned cap: [`Cap`] (its methods: take and free slots, count, wait, lease, hold), [`pin`],
+//!   [`CapRef`], [`Counter`], [`Flushed`] (the flush of one cap), [`Ticket`] (a place in line);
+//! - finding and making caps: `lookup`, `create`, `grow`, `key_now`, `first_key`, `caps`,
+//!   `cap_refs`, `busy_caps`, `databases`, `databases_with_pending`, `reclaim_database`, `usage`;
+//! - waiting: `dequeue`, `waiters_of`, [`WaiterInfo`];
+//! - leases: `caps_with_leases_due`, [`LeaseCheck`], [`LeaseInfo`], [`LeaseRefused`];
+//! - load averages: `sample_load`, `load_of`, [`Load`];
+//! - adaptive policies: `apply_policy`, `restore_policy`, `clear_policies`, `policy_room`,
+//!   `policy_count`, `policy_databases`, `learned_limit`, `cap_limits`, `adapt_tick`,
+//!   `limits_to_write`, `limits_written`, `databases_with_limits_to_write`, [`PolicyChange`],
+//!   [`PolicyView`], [`ToWrite`];
+//! - the committed horizons: `databases_with_horizon_work`, `databases_to_recheck`,
+//!   `databases_with_waiting_calls`, `durable_watch`;
+//! - the databases' table: `loaded`, `request_load`, `mark_loaded`, `databases_to_load`,
+//!   `recorded_databases`, `request_advance`, `advance_requested`, `flusher_commits`,
+//!   `note_flusher_commit`, `start_kind`, `note_recovered`, `recovered_at`, `MAX_DATABASES`;
+//! - the launcher: `launcher_wakeup`, `next_flush_id`;
+//! - the segment: `init` (the hooks, from `_PG_init`), `attached`.
+//!
+//! Files, bottom to top: each uses only files above it in this list (`make layers` checks it).
+//! [`Cap`] and `CapEntry` keep their impls in the file of each concern, on purpose:
+//!
+//! 1. `records`: the fields of every shared record (an entry's parts, the segment's tables)
+//! 2. `entry`: a cap's entry (`#[repr(C)]`, its size asserted) and its slots' holder records
+//! 3. `segment`: the layout, attaching, the LWLocks, the header's token counter
+//! 4. `launcher`: waking the background launcher, flush ids
+//! 5. `pin`: pinning an entry (hazard slots, counted pins) and the pinned handle [`Cap`]
+//! 6. `counters`: the hot counters and the flush seqlock over a cap's bookkeeping
+//! 7. `histograms`: a cap's hold and wait histograms, and their flush base
+//! 8. `databases`: the table of databases: loaded, lease shares, flusher commits, start kind
+//! 9. `caps`: finding, creating, growing and reclaiming caps
+//! 10. `waitq`: a cap's queue of waiters
+//! 11. `leases`: slots held by a token, and fencing tokens
+//! 12. `committed`: the committed lease horizon and token floor, holds, the journal
+//! 13. `policies`: adaptive caps' policies and what they learned, the enforced limit
+//! 14. `load`: load averages, sampled by the launcher
+//! 15. `persist`: the startup hook; pending counts and leases across a clean restart
 
-mod adaptive;
 mod caps;
+mod committed;
 mod counters;
-mod durable;
+mod databases;
 mod entry;
 mod histograms;
 mod launcher;
@@ -30,32 +53,38 @@ mod leases;
 mod load;
 mod persist;
 mod pin;
+mod policies;
+mod records;
 mod segment;
 mod waitq;
 
-pub use adaptive::{
-    adapt_tick, apply_policy, cap_limits, clear_policies, databases_with_limits_to_write,
-    learned_limit, limits_to_write, limits_written, policy_count, policy_databases, policy_room,
-    restore_policy, PolicyChange, PolicyView, ToWrite,
-};
 pub use caps::{
     busy_caps, cap_refs, caps, create, databases, databases_with_pending, first_key, grow, key_now,
-    lookup, reclaim_database, usage, CapError, Pool,
+    lookup, reclaim_database, usage,
 };
 #[cfg(any(test, feature = "pg_test"))]
 pub use caps::{pin_state, reclaim_now};
+pub use committed::{
+    databases_to_recheck, databases_with_horizon_work, databases_with_waiting_calls, durable_watch,
+};
 pub use counters::Flushed;
-pub use durable::{
-    advance_requested, databases_to_load, databases_to_recheck, databases_with_horizon_work,
-    databases_with_waiting_calls, durable_watch, flusher_commits, loaded, mark_loaded,
+pub use databases::{
+    advance_requested, databases_to_load, flusher_commits, loaded, mark_loaded,
     note_flusher_commit, note_recovered, recorded_databases, recovered_at, request_advance,
-    request_load, start_kind, MAX_DATABASES,
+    request_load, start_kind,
 };
 pub use launcher::{launcher_wakeup, next_flush_id};
 pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo, LeaseRefused};
 pub use load::{load_of, sample_load, Load};
+pub use persist::init;
 pub use pin::pin;
-pub use segment::{attached, init};
+pub use policies::{
+    adapt_tick, apply_policy, cap_limits, clear_policies, databases_with_limits_to_write,
+    learned_limit, limits_to_write, limits_written, policy_count, policy_databases, policy_room,
+    restore_policy, PolicyChange, PolicyView, ToWrite,
+};
+pub use records::MAX_DATABASES;
+pub use segment::attached;
 pub use stage_e_core::counters::Counter;
 pub use stage_e_core::state::CapRef;
 pub use waitq::{dequeue, waiters_of, Ticket, WaiterInfo};

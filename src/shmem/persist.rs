@@ -1,22 +1,63 @@
-//! Pending counts and leases across a clean restart: written at postmaster shutdown, read back
-//! at start, as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
+//! Pending counts and leases across a clean restart, and the startup hook that restores them:
+//! written at postmaster shutdown, read back at start (the hook first attaches the segment,
+//! `segment`), as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
 //! `stage_e_core::counters::{encode, decode}` and `stage_e_core::lifecycle::LeaseFile`.
 //!
 //! Only the postmaster touches the files: at a clean shutdown (exit code 0, and a control file
 //! that says "shut down": an immediate shutdown also exits with 0, but like a crash it kills
-//! the backends mid-way and writes no shutdown checkpoint) every backend and worker is gone, so each cap's pending counts, token counter and leases are final; at start
-//! (and after a crash reset) no backend runs yet. A crash writes nothing: at most one flush
+//! the backends mid-way and writes no shutdown checkpoint) every backend and worker is gone, so
+//! each cap's pending counts, token counter and leases are final; at start (and after a crash
+//! reset) no backend runs yet. A crash writes nothing: at most one flush
 //! interval of counts is lost, as documented, and the leases are covered by the durable horizon
-//! instead (`durable`). Each file is removed once read, so it is never applied twice, and a
+//! instead (`committed`). Each file is removed once read, so it is never applied twice, and a
 //! crash after a clean start finds no lease file: that is how a crash is told from a clean start.
 
 use super::caps::{create_at_start, restore_at_start};
+use super::databases;
 use super::pin::pin;
-use super::segment::{segment, Segment};
+use super::segment::{self, segment, Segment};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
 use stage_e_core::lifecycle::{self, LeaseFile, SavedLease, StartKind};
+
+static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
+
+/// Registers the hooks; called from `_PG_init` while preloading, after the GUCs are defined.
+pub fn init() {
+    segment::install_request_hook();
+    // SAFETY: _PG_init runs single-threaded in the postmaster; chaining the previous hook keeps
+    // other extensions' shared memory working.
+    unsafe {
+        PREV_SHMEM_STARTUP_HOOK = pg_sys::shmem_startup_hook;
+        pg_sys::shmem_startup_hook = Some(shmem_startup);
+    }
+}
+
+/// The startup hook: attaches the segment (`segment`), then, in the postmaster, takes back what
+/// the last clean shutdown saved. Here rather than in `segment`, so that the layout does not
+/// call up into the files that fill it.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn shmem_startup() {
+    // SAFETY: a hook the postmaster calls at start and after a crash reset.
+    unsafe {
+        if let Some(prev) = PREV_SHMEM_STARTUP_HOOK {
+            prev();
+        }
+    }
+    let seg = segment::attach_at_startup();
+    // SAFETY: a flag of this process, set at start.
+    if unsafe { !pg_sys::IsUnderPostmaster } {
+        // The postmaster (at start and after a crash reset): take back the counts and the
+        // leases saved at the last clean shutdown, and save them again at the next one.
+        // Leases first: they bind, so a pending file too large for a smaller max_caps must
+        // not keep them out (what does not fit of the counts is kept for later instead).
+        let kind = restore_leases(seg);
+        restore_pending(seg);
+        databases::set_start_kind(kind);
+        save_at_shutdown();
+    }
+}
 
 /// In the data directory (the postmaster's working directory).
 const PENDING_FILE: &str = "pg_stat/stage_e_slots.pending";

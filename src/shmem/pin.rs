@@ -11,16 +11,11 @@
 use super::entry::{CapEntry, SlotRecord};
 use super::segment::{self, segment};
 use super::Cap;
-use crate::session::BackendLocal;
+use crate::backend::BackendLocal;
 use pgrx::pg_sys;
 use stage_e_core::state::{CapRef, Refused};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// One backend's hazard slot, alone on its cache line: each backend writes its own twice per
-/// call, and must not slow its neighbours down doing so.
-#[repr(C, align(64))]
-pub(super) struct HazardSlot(pub(super) AtomicU64);
 
 /// The entry is being grown (quick) or reclaimed (then the generation changes): wait a little.
 fn nap() {

@@ -1,24 +1,22 @@
 //! The segment: its header, where its parts are, and how a process attaches to it.
 //!
-//! Sized from postmaster settings at start (the pg_stat_statements pattern: a request hook and
-//! a startup hook). One `Layout` (`stage_e_core::layout`) both sizes the segment and finds its
-//! parts, from counts the creator writes into the header. The startup hook runs in the
-//! postmaster at start and after every crash reset (when the segment may move); children
-//! inherit the attached view through fork. The first process to create the segment zeroes
-//! it, which is a valid state for every field (atomics; database 0 = a free entry), then frees
-//! the arena.
+//! Sized from postmaster settings at start (the pg_stat_statements pattern: a request hook, and a
+//! startup hook, which is `persist`'s: it attaches here, then restores what was saved). One
+//! `Layout` (`stage_e_core::layout`) both sizes the segment and finds its parts, from counts the
+//! creator writes into the header. The startup hook runs in the postmaster at start and after every
+//! crash reset (when the segment may move); children inherit the attached view through fork. The
+//! first process to create the segment zeroes it, which is a valid state for every field (atomics;
+//! database 0 = a free entry), then frees the arena.
 //!
 //! Three LWLocks of our tranche: the *directory* lock (shared to look a cap up on a cache miss,
 //! exclusive to create, grow or reclaim one: `caps`), the *waits* lock (joining and leaving
-//! a cap's queue: `waitq`) and the *adapt* lock (adaptive caps' policies: `adaptive`). The hot
+//! a cap's queue: `waitq`) and the *adapt* lock (adaptive caps' policies: `policies`). The hot
 //! path takes none.
 
-use super::adaptive::{PolicyRecord, POLICY_SIZE};
 use super::entry::{CapEntry, SlotRecord};
-use super::leases::LeaseRecord;
-use super::pin::HazardSlot;
-use super::waitq::WaiterRecord;
-use super::{durable, launcher, persist};
+use super::records::{
+    HazardSlot, Launcher, LeaseRecord, Lifecycle, PolicyRecord, WaiterRecord, POLICY_SIZE,
+};
 use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena::{self, Buddy};
@@ -40,8 +38,8 @@ pub(super) struct Header {
     pub(super) top_order: u32,
     /// The last flush id handed out (ids increase across the server).
     pub(super) last_flush_id: AtomicU64,
-    pub(super) launcher: launcher::Launcher,
-    pub(super) lifecycle: durable::Lifecycle,
+    pub(super) launcher: Launcher,
+    pub(super) lifecycle: Lifecycle,
     /// The last fencing token handed out, of any cap (`leases`).
     pub(super) tokens: TokenCounter,
 }
@@ -112,7 +110,6 @@ static WAITS_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut
 static ADAPT_LOCK: AtomicPtr<pg_sys::LWLock> = AtomicPtr::new(std::ptr::null_mut());
 
 static mut PREV_SHMEM_REQUEST_HOOK: pg_sys::shmem_request_hook_type = None;
-static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
 
 /// The attached segment, if any.
 pub(super) fn segment() -> Option<&'static Segment> {
@@ -125,15 +122,14 @@ pub fn attached() -> bool {
     !VIEW.load(Ordering::Acquire).is_null()
 }
 
-/// Registers the hooks; called from `_PG_init` while preloading, after the GUCs are defined.
-pub fn init() {
-    // SAFETY: _PG_init runs single-threaded in the postmaster; chaining the previous hooks
-    // keeps other extensions' shared memory working.
+/// Registers the request hook (the startup hook, which attaches and then restores what the last
+/// clean shutdown saved, is `persist`'s); called from `persist::init`.
+pub(super) fn install_request_hook() {
+    // SAFETY: _PG_init runs single-threaded in the postmaster; chaining the previous hook keeps
+    // other extensions' shared memory working.
     unsafe {
         PREV_SHMEM_REQUEST_HOOK = pg_sys::shmem_request_hook;
         pg_sys::shmem_request_hook = Some(shmem_request);
-        PREV_SHMEM_STARTUP_HOOK = pg_sys::shmem_startup_hook;
-        pg_sys::shmem_startup_hook = Some(shmem_startup);
     }
 }
 
@@ -149,14 +145,9 @@ unsafe extern "C-unwind" fn shmem_request() {
     }
 }
 
-#[pgrx::pg_guard]
-unsafe extern "C-unwind" fn shmem_startup() {
-    // SAFETY: a hook the postmaster calls at start and after a crash reset.
-    unsafe {
-        if let Some(prev) = PREV_SHMEM_STARTUP_HOOK {
-            prev();
-        }
-    }
+/// Creates or attaches the segment, from the startup hook (`persist`): at start and after every
+/// crash reset in the postmaster, and in a process not forked from it. Returns it.
+pub(super) fn attach_at_startup() -> &'static Segment {
     let (counts, top_order) = counts_from_settings();
     let size = Layout::new(counts, SIZES).size();
     // SAFETY: ShmemInitStruct under AddinShmemInitLock is the documented way to create or attach
@@ -190,17 +181,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
         seg.buddy().reset();
         seg.header.tokens.start(token_base(now()));
     }
-    // SAFETY: a flag of this process, set at start.
-    if unsafe { !pg_sys::IsUnderPostmaster } {
-        // The postmaster (at start and after a crash reset): take back the counts and the
-        // leases saved at the last clean shutdown, and save them again at the next one.
-        // Leases first: they bind, so a pending file too large for a smaller max_caps must
-        // not keep them out (what does not fit of the counts is kept for later instead).
-        let kind = persist::restore_leases(seg);
-        persist::restore_pending(seg);
-        durable::set_start_kind(kind);
-        persist::save_at_shutdown();
-    }
+    seg
 }
 
 impl Segment {
@@ -272,6 +253,18 @@ impl Segment {
             );
             (records, bits)
         }
+    }
+}
+
+/// The server's last token (0 when not attached).
+pub(super) fn last_token() -> u64 {
+    segment().map_or(0, |seg| seg.header.tokens.last())
+}
+
+/// Tokens go on above `floor`.
+pub(super) fn raise_tokens(floor: u64) {
+    if let Some(seg) = segment() {
+        seg.header.tokens.raise(floor);
     }
 }
 

@@ -14,27 +14,13 @@
 
 use super::entry::CapEntry;
 use super::pin::my_procno;
+use super::records::WaiterRecord;
 use super::segment::{segment, waits_locked, EXCLUSIVE, SHARED};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::front::{Seated, Seats};
 use stage_e_core::state::CapRef;
-use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
-
-/// A backend waiting for slots of a cap (one per backend at most). Changed under the waits
-/// lock.
-#[repr(C)]
-pub(super) struct WaiterRecord {
-    active: AtomicU32,
-    entry: AtomicU32,
-    pid: AtomicI32,
-    n: AtomicU32,
-    k: AtomicU32,
-    _pad: u32,
-    ticket: AtomicU64,
-    since: AtomicI64,
-    proc_: AtomicU64,
-}
+use std::sync::atomic::Ordering;
 
 impl WaiterRecord {
     fn seated(&self) -> Seated {

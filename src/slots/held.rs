@@ -63,7 +63,7 @@ pub(super) fn lost(near: Option<&Cap>, held: Held) {
     let name = with_cap(near, held, |c| c.name()).unwrap_or_default();
     bump(near, held, Counter::Released, 1);
     forget(near, held, Some(session::statement_start()));
-    crate::errors::log(format!(
+    crate::report::log(format!(
         "stage_e_slots: slot {} of cap \"{name}\" of pid {} was released outside stage_e_release \
          (DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again",
         held.slot,
@@ -129,7 +129,7 @@ pub fn release_on_exit() {
             format!("{} of cap \"{name}\"", list.join(", "))
         })
         .collect();
-    crate::errors::log(format!(
+    crate::report::log(format!(
         "stage_e_slots: backend pid {} (application_name \"{}\") exited holding slot(s) {}; released",
         session::pid(),
         session::application_name(),

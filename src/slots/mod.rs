@@ -15,20 +15,20 @@
 //! - Shared memory is touched only with the cap pinned (`shmem::Cap`), so a cap is never
 //!   reclaimed or moved under a backend that is using it.
 
-pub mod adapt;
-pub mod durable;
-mod error;
+pub mod admission;
 pub mod held;
+pub mod limits;
 pub mod views;
 pub mod waiting;
 
-pub use error::{NamedError, SlotError};
+pub use crate::failures::{NamedError, SlotError};
 pub use views::{held_back, holders, load, stats, waiters};
 
+use crate::failures::CapError;
 use crate::gucs;
 use crate::locks::{self, Probe};
 use crate::session::{self, Held};
-use crate::shmem::{self, Cap, CapError, Counter};
+use crate::shmem::{self, Cap, Counter};
 use stage_e_core::directory;
 use stage_e_core::histogram::Metric;
 use stage_e_core::occupancy;
@@ -271,7 +271,7 @@ pub fn lease(
                 let Some(pinned) = existing(name) else {
                     continue; // reclaimed meanwhile: a new cap starts over
                 };
-                durable::wait_for_room(&pinned, expires_at, token)?;
+                admission::wait_for_room(&pinned, expires_at, token)?;
             }
             other => return Ok(other?.map(|t| t.first())),
         }
@@ -294,6 +294,17 @@ fn check_ttl(ttl_us: Option<i64>) -> Result<i64, SlotError> {
     }
 }
 
+/// The acquisition pipeline, one named stage per concern, so that a new check is one more
+/// stage, not another thread through this file:
+///
+/// 1. admission (`admit`): the arguments and this session's own limit; the cap made or grown;
+///    held back after a crash or a promotion (`wait_out_hold`); the adaptive limit
+///    (`within_limit`);
+/// 2. search and take (`take`): the lowest free slots, from slot 0 while the cap has no waiters
+///    (the hot path); else `not_taken`: the slots no waiter can use, a second look after
+///    freeing what expired, then the line (`waiting`). A lease's room under the committed
+///    horizon is checked as it is granted (`grant_lease`), when its token and expiry are known;
+/// 3. record (`record`): the slots counted as acquired (they were tracked as they were taken).
 fn acquire(
     cap: Option<&str>,
     n: Option<i32>,
@@ -301,8 +312,39 @@ fn acquire(
     wait: Wait,
     kind: Kind,
 ) -> Result<Option<Taken>, SlotError> {
+    let Some(Admitted { cap, n, k, wait }) = admit(cap, n, k, wait, kind)? else {
+        return Ok(None); // throttled, counted
+    };
+    // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
+    // at the slots no waiter can use.
+    if cap.waiters() == 0 {
+        if let Some(got) = take(&cap, n, k, 0, session::statement_start(), kind)? {
+            return Ok(Some(record(&cap, k, got)));
+        }
+    }
+    not_taken(cap, n, k, wait, kind)
+}
+
+/// A call admitted to search: its cap pinned, the n it may search (the adaptive limit
+/// applied), its k, and the wait left once a hold has ended.
+struct Admitted {
+    cap: Cap,
+    n: u32,
+    k: u32,
+    wait: Wait,
+}
+
+/// Admission: None when the call is throttled (counted) before any search.
+#[inline]
+fn admit(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: Wait,
+    kind: Kind,
+) -> Result<Option<Admitted>, SlotError> {
     ready()?;
-    durable::ensure_loaded()?;
+    admission::ensure_loaded()?;
     let name = check_name(cap)?;
     let n = check_cap(n)?;
     let k = check_count(k, n)?;
@@ -314,31 +356,38 @@ fn acquire(
     }
     let cap = for_acquire(name, n)?;
     cap.note_n(n);
-    // An adaptive cap (`shmem::adaptive`): slots of [0, least(n, limit)) only, and `search`
-    // stops at the limit held. More slots than the limit cannot be had until it grows.
-    let limit = cap.limit();
-    let n = if limit != 0 { n.min(limit) } else { n };
-    if k > n {
-        cap.counters().bump(Counter::Throttled, 1);
+    let Some(n) = within_limit(&cap, n, k) else {
         return Ok(None);
-    }
+    };
     let mut wait = wait;
-    let now = session::statement_start();
-    if cap.held_until(now).is_some() {
+    if cap.held_until(session::statement_start()).is_some() {
         match wait_out_hold(&cap, wait) {
             Some(left) => wait = left,
             None => return Ok(None),
         }
     }
-    // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
-    // at the slots no waiter can use.
-    if cap.waiters() == 0 {
-        if let Some(got) = take(&cap, n, k, 0, now, kind)? {
-            cap.counters().bump(Counter::Acquired, k as u64);
-            return Ok(Some(got));
-        }
+    Ok(Some(Admitted { cap, n, k, wait }))
+}
+
+/// An adaptive cap (`shmem::policies`): slots of [0, least(n, limit)) only, and `search` stops
+/// at the limit held. More slots than the limit cannot be had until it grows: None, throttled
+/// (counted).
+#[inline]
+fn within_limit(cap: &Cap, n: u32, k: u32) -> Option<u32> {
+    let limit = cap.limit();
+    let n = if limit != 0 { n.min(limit) } else { n };
+    if k > n {
+        cap.counters().bump(Counter::Throttled, 1);
+        return None;
     }
-    not_taken(cap, n, k, wait, kind)
+    Some(n)
+}
+
+/// Record: `got` (k slots) counted as acquired.
+#[inline]
+fn record(cap: &Cap, k: u32, got: Taken) -> Taken {
+    cap.counters().bump(Counter::Acquired, k as u64);
+    got
 }
 
 /// Held back after a crash or a promotion: nothing is handed out until the hold ends. The wait
@@ -352,7 +401,7 @@ fn wait_out_hold(cap: &Cap, wait: Wait) -> Option<Wait> {
         Wait::For(d) => Some(started + d),
         Wait::Forever => None,
     };
-    if let durable::Hold::Throttled = durable::through_hold(cap, deadline) {
+    if let admission::Hold::Throttled = admission::through_hold(cap, deadline) {
         cap.counters().bump(Counter::Throttled, 1);
         return None;
     }
@@ -373,8 +422,7 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
     if let Some(from) = from {
         if waiters {
             if let Some(got) = take(&cap, n, k, from, now, kind)? {
-                cap.counters().bump(Counter::Acquired, k as u64);
-                return Ok(Some(got));
+                return Ok(Some(record(&cap, k, got)));
             }
         }
         // Before saying "throttled": this session may have dropped one of its own slots' locks
@@ -383,8 +431,7 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
         let expired = expire_due(&cap);
         if held::reconcile_cap(&cap) + expired > 0 {
             if let Some(got) = take(&cap, n, k, from, now, kind)? {
-                cap.counters().bump(Counter::Acquired, k as u64);
-                return Ok(Some(got));
+                return Ok(Some(record(&cap, k, got)));
             }
         }
     }
@@ -508,7 +555,7 @@ fn grant_lease(cap: &Cap, key: i32, slot: u32, token: u64, ttl_us: i64) -> Resul
     let now = session::now();
     let expires_at = now.saturating_add(ttl_us);
     let _granting = cap.begin_grant();
-    durable::check_room(cap, expires_at, token)?;
+    admission::check_room(cap, expires_at, token)?;
     let share = gucs::database_share();
     let limit = share::limit(gucs::max_leases() as u64, share);
     match cap.start_lease(slot, token, now, expires_at, session::user_id(), limit) {
@@ -519,7 +566,7 @@ fn grant_lease(cap: &Cap, key: i32, slot: u32, token: u64, ttl_us: i64) -> Resul
         Err(shmem::LeaseRefused::OverShare) => Err(SlotError::named(
             cap.name(),
             NamedError::Cap(CapError::OverShare {
-                pool: shmem::Pool::Leases,
+                pool: crate::failures::Pool::Leases,
                 share,
                 limit,
             }),
@@ -557,7 +604,7 @@ fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
     cap.observe(Metric::Hold, held as u64);
     // The token is a key to the slot: the server log only, never the client of this backend
     // (which may be another role's, with client_min_messages = log).
-    crate::errors::log_server_only(format!(
+    crate::report::log_server_only(format!(
         "stage_e_slots: lease of slot {} of cap \"{}\" (token {}, taken by pid {}) expired; \
          freed after {:.3} s held, {:.3} s past its expiry",
         lease.slot,
@@ -589,7 +636,7 @@ pub fn expire_leases_everywhere() -> usize {
 /// with their sessions: they are the lock manager's locks, which a re-created extension sees
 /// as taken until their sessions release them or end.
 pub fn end_database() {
-    adapt::end_database(session::database());
+    limits::end_database(session::database());
     let mut leases = 0;
     for cap in shmem::caps(Some(session::database())) {
         leases += cap.expire_leases(i64::MAX).len();
@@ -597,7 +644,7 @@ pub fn end_database() {
     }
     let (pending, _) = crate::flush::discard_pending(session::database());
     if leases + pending > 0 {
-        crate::errors::log(format!(
+        crate::report::log(format!(
             "stage_e_slots: the extension was dropped from database {}: freed {leases} \
              lease(s) and dropped the pending counters of {pending} cap(s)",
             session::database()
@@ -623,7 +670,7 @@ pub fn settle_lease(
     action: LeaseAction,
 ) -> Result<LeaseOutcome, SlotError> {
     ready()?;
-    durable::ensure_loaded()?;
+    admission::ensure_loaded()?;
     let name = check_name(cap)?;
     let slot = check_slot(slot)?;
     let token = token.ok_or(SlotError::NullArgument { name: "token" })?;
@@ -658,8 +705,8 @@ pub fn settle_lease(
             cap.lease_of(slot)
                 .is_some_and(|l| l.token == token as u64 && l.expires_at > now)
         };
-        if durable::has_horizon() && renewable() && durable::check_room(&cap, t, 0).is_err() {
-            durable::wait_for_room(&cap, t, 0)?;
+        if admission::has_horizon() && renewable() && admission::check_room(&cap, t, 0).is_err() {
+            admission::wait_for_room(&cap, t, 0)?;
             now = session::now();
             extend_to = Some(now.saturating_add(ttl));
         }

@@ -2,7 +2,7 @@
 //! and holders (the lock manager's granted locks joined with the extension's records and
 //! leases), its hold, its waiters and its load. Read-only: nothing here takes, frees or counts.
 
-use super::{attached, durable, SlotError};
+use super::{admission, attached, SlotError};
 use crate::gucs;
 use crate::locks;
 use crate::session;
@@ -128,7 +128,7 @@ pub fn held_back() -> Result<Vec<HeldBack>, SlotError> {
     if session::in_recovery() {
         return Ok(Vec::new());
     }
-    durable::ensure_loaded()?;
+    admission::ensure_loaded()?;
     let now = session::now();
     let mut out: Vec<HeldBack> = shmem::caps(Some(session::database()))
         .into_iter()

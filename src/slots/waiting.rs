@@ -12,8 +12,9 @@
 //! so a client that went away ends the wait too.
 
 use super::{Kind, SlotError, Taken};
+use crate::backend::BackendLocal;
 use crate::ffi;
-use crate::session::{self, BackendLocal};
+use crate::session;
 use crate::shmem::{self, Cap, CapRef, Counter, Ticket};
 use pgrx::pg_sys;
 use stage_e_core::histogram::Metric;

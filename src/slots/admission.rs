@@ -32,8 +32,12 @@ fn load() -> Result<(), SlotError> {
     if !session::under_postmaster() {
         // A single-user backend (`postgres --single`) has no launcher: it loads its database
         // itself (it is the superuser). Leases there still need a flusher, so they fail closed.
-        crate::durable::load(db, crate::sql::extension().as_ref())
-            .map_err(|_| SlotError::NotLoaded)?;
+        crate::horizons::load(
+            db,
+            crate::sql::extension().as_ref(),
+            &super::limits::restore,
+        )
+        .map_err(|_| SlotError::NotLoaded)?;
         session::set_database_loaded();
         return Ok(());
     }

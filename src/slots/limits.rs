@@ -1,12 +1,12 @@
 //! Adaptive caps: `stage_e_adapt` and `stage_e_adapt_off`, what `stage_e_cap_limits` reads,
 //! and the launcher's tick. The controller is `stage_e_core::adapt`; the records and the
-//! enforced limit are `shmem::adaptive`; the acquisition paths apply the limit (`acquire`,
+//! enforced limit are `shmem::policies`; the acquisition paths apply the limit (`acquire`,
 //! `search`).
 //!
 //! A policy change is transactional: the function writes the cap's row in the caller's
 //! transaction, and the change reaches shared memory when that transaction commits (`hooks`);
 //! a rollback, or a rolled-back savepoint, drops both. The learned limit is written back to the
-//! row by the flusher, so that a restart resumes from it (`durable::load` restores it).
+//! row by the flusher, so that a restart resumes from it (`horizons::load` restores it).
 
 use super::{check_name, ready, SlotError};
 use crate::gucs;
@@ -24,7 +24,7 @@ pub fn adapt(
     enforce: Option<bool>,
 ) -> Result<(), SlotError> {
     ready()?;
-    super::durable::ensure_loaded()?;
+    super::admission::ensure_loaded()?;
     let name = check_name(cap)?;
     let min = min.ok_or(SlotError::NullArgument { name: "min_slots" })?;
     let max = max.ok_or(SlotError::NullArgument { name: "max_slots" })?;
@@ -47,8 +47,7 @@ pub fn adapt(
             DatumWithOid::from(learned),
         ],
     )
-    .unwrap_or_else(|e| crate::errors::fail(format!("stage_e_adapt: {e}")));
-    crate::hooks::ensure();
+    .unwrap_or_else(|e| crate::report::fail(format!("stage_e_adapt: {e}")));
     let log = format!(
         "stage_e_slots: role \"{}\" made cap \"{name}\" of database \"{}\" adaptive between {} \
          and {} slots ({})",
@@ -65,14 +64,13 @@ pub fn adapt(
 /// `stage_e_adapt_off(cap)`: the caller's n alone again, from the commit.
 pub fn adapt_off(cap: Option<&str>) -> Result<(), SlotError> {
     ready()?;
-    super::durable::ensure_loaded()?;
+    super::admission::ensure_loaded()?;
     let name = check_name(cap)?;
     let Some(ext) = sql::extension() else {
         return Err(SlotError::NotLoaded);
     };
     sql::write(&sql::adapt_off_query(&ext), &[DatumWithOid::from(name)])
-        .unwrap_or_else(|e| crate::errors::fail(format!("stage_e_adapt_off: {e}")));
-    crate::hooks::ensure();
+        .unwrap_or_else(|e| crate::report::fail(format!("stage_e_adapt_off: {e}")));
     let log = format!(
         "stage_e_slots: role \"{}\" returned cap \"{name}\" of database \"{}\" to the callers' n \
          alone (stage_e_adapt_off)",
@@ -92,7 +90,7 @@ pub fn apply_committed(changes: Vec<session::PendingPolicy>) {
     let now = session::now();
     for c in changes {
         match shmem::apply_policy(db, &c.cap, c.change, now) {
-            Ok(()) => crate::errors::log(c.log),
+            Ok(()) => crate::report::log(c.log),
             Err(e) => {
                 pgrx::warning!(
                     "stage_e_slots: cap \"{}\" is not adaptive: all {} adaptive policy records \
@@ -110,7 +108,7 @@ pub fn apply_committed(changes: Vec<session::PendingPolicy>) {
 pub fn cap_limits() -> Result<Vec<PolicyView>, SlotError> {
     super::attached()?;
     if !session::in_recovery() {
-        super::durable::ensure_loaded()?;
+        super::admission::ensure_loaded()?;
     }
     Ok(shmem::cap_limits(session::database()))
 }
@@ -130,7 +128,7 @@ pub fn tick() {
                 1 => "; 1 change since the last line".into(),
                 k => format!("; {k} changes since the last line"),
             };
-            crate::errors::log(format!(
+            crate::report::log(format!(
                 "stage_e_slots: limit of cap \"{}\" of database \"{db}\": {}{also}",
                 m.cap,
                 m.step.describe()
@@ -163,7 +161,7 @@ pub fn write_limits(ext: &sql::Extension) -> Result<Vec<shmem::ToWrite>, pgrx::s
     Ok(limits)
 }
 
-/// A load of this database (`durable::load`): the policies its rows keep, with their learned
+/// A load of this database (`horizons::load`): the policies its rows keep, with their learned
 /// limits.
 pub fn restore(ext: &sql::Extension) -> Result<(), String> {
     if !ext.version.has_adaptive() {
@@ -193,7 +191,7 @@ pub fn restore(ext: &sql::Extension) -> Result<(), String> {
             Bounds::new(min.clamp(1, max), max, max_slots).map_err(|e| format!("{e:?}"))?;
         let limit = limit.map(|l| l.max(0) as u32);
         if let Err(e) = shmem::restore_policy(db, &cap, bounds, enforce, limit, baseline, now) {
-            crate::errors::log(format!(
+            crate::report::log(format!(
                 "stage_e_slots: cap \"{cap}\" is not adaptive after the restart: all {} adaptive \
                  policy records (stage_e_slots.max_adaptive_caps) are in use",
                 e.max

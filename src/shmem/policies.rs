@@ -14,56 +14,17 @@
 //!   adapt lock. So the entry's limit is always the one of the record's latest write.
 //! - Lock order: directory, then adapt. Nobody takes the directory lock holding the adapt lock.
 
-use super::entry::{load_name, store_name, CapEntry, NAME_WORDS};
+use super::entry::CapEntry;
+use super::records::{load_name, store_name, PolicyRecord, REASON_WORDS};
 use super::segment::{adapt_locked, segment, EXCLUSIVE, SHARED};
 use super::{caps, Cap};
 use pgrx::pg_sys;
 use stage_e_core::adapt::{Bounds, Learned, Step, Verdict, Window};
 use stage_e_core::state::CapRef;
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-/// Bytes of a reason at most (`stage_e_cap_limits.reason`).
-const REASON_WORDS: usize = 8;
 /// At most one LOG line per cap this often (µs).
 const LOG_EVERY_US: i64 = 10_000_000;
-
-/// One adaptive cap's policy and learning (all under the adapt lock). 8-byte aligned, as the
-/// layout places it after the lease records.
-#[repr(C)]
-pub(super) struct PolicyRecord {
-    /// 0 = free.
-    db: AtomicU32,
-    name_len: AtomicU32,
-    name: [AtomicU64; NAME_WORDS],
-    min: AtomicU32,
-    max: AtomicU32,
-    enforce: AtomicU32,
-    slow_start: AtomicU32,
-    /// `Learned`'s limit, baseline and recent hold time (f64 bits).
-    limit: AtomicU64,
-    baseline_us: AtomicU64,
-    recent_us: AtomicU64,
-    /// When the limit or the policy last changed.
-    changed_at: AtomicI64,
-    reason_len: AtomicU32,
-    /// The enforced limit last written to the cap's row by a flusher (u32::MAX = never).
-    written: AtomicU32,
-    reason: [AtomicU64; REASON_WORDS],
-    /// The window being counted: the cap it counts (entry + 1 and generation; 0 = none), when
-    /// it began, and the cap's counters then.
-    window_cap: AtomicU64,
-    window_start: AtomicI64,
-    window_ended: AtomicU64,
-    window_hold_us: AtomicU64,
-    window_expired: AtomicU64,
-    /// The last LOG line, and the changes made since that were not logged.
-    logged_at: AtomicI64,
-    unlogged: AtomicU32,
-    _pad: [u32; 3],
-}
-
-pub(super) const POLICY_SIZE: usize = 256;
-const _: () = assert!(size_of::<PolicyRecord>() == POLICY_SIZE);
 
 /// What `stage_e_adapt` (or `stage_e_adapt_off`) asks for, applied at its commit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

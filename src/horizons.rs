@@ -33,8 +33,14 @@ fn ts(us: i64) -> String {
 }
 
 /// Loads database `db` (the flusher's, connected to it): token floors always; after a crash or
-/// a promotion, holds and dormant leases too. Marks it loaded.
-pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
+/// a promotion, holds and dormant leases too; then the adaptive policies, by `restore_policies`
+/// (`slots::limits::restore`, passed in: the policies' rules live above this floor). Marks it
+/// loaded.
+pub fn load(
+    db: u32,
+    ext: Option<&Extension>,
+    restore_policies: &dyn Fn(&Extension) -> Result<(), String>,
+) -> Result<(), String> {
     let Some(ext) = ext.filter(|e| e.version.has_lease_horizon()) else {
         // No table (the extension is not here, or not yet updated): 0.5.0's behaviour.
         shmem::mark_loaded(db, false, 0);
@@ -101,13 +107,13 @@ pub fn load(db: u32, ext: Option<&Extension>) -> Result<(), String> {
             log_hold(name, &database, until, reason.as_str(), 0);
         }
     }
-    crate::slots::adapt::restore(ext)?;
+    restore_policies(ext)?;
     shmem::mark_loaded(db, true, min_token);
     Ok(())
 }
 
 fn log_hold(cap: &str, database: &str, until: i64, reason: &str, reclaimable: usize) {
-    crate::errors::log(format!(
+    crate::report::log(format!(
         "stage_e_slots: cap \"{cap}\" of database \"{database}\" is held back until {} ({reason}): \
          {}",
         ts(until),

@@ -1,7 +1,8 @@
-//! What a call on a cap can fail with: `SlotError`, which `errors` maps to an ERROR (its
-//! SQLSTATE, message, detail and hint), and the errors about one cap by name.
+//! What a call can fail with, as plain data: `SlotError` (a call on a cap), `NamedError` (about
+//! one cap by name) and `CapError` (a cap that could not be made or grown). A leaf, so that every
+//! floor can return them; `errors`, at the top, says each in words (SQLSTATE, message, detail,
+//! hint).
 
-use crate::shmem::CapError;
 use stage_e_core::directory::NameError;
 
 #[derive(Debug, PartialEq)]
@@ -105,4 +106,31 @@ impl SlotError {
             what,
         }))
     }
+}
+
+/// Why a cap could not be created or grown.
+#[derive(Debug, PartialEq)]
+pub enum CapError {
+    /// `max_caps` caps are in use (held slots, or counts not yet flushed).
+    NoEntry { max_caps: u32, held: u32 },
+    /// The arena has no block large enough.
+    NoMemory { slots: u32 },
+    /// Another cap of this database uses the same lock key (a key that cannot move: the
+    /// `default` cap's, or any key in a database not yet updated to 0.7.0).
+    KeyCollision { other: String, key: i32 },
+    /// Every key the book covers is held (the create reads the book again, covering more).
+    KeysExhausted { covered: u32 },
+    /// The cap stayed pinned too long to be grown (a backend died mid-call).
+    Busy,
+    /// This database holds its share (`stage_e_slots.database_share`, `share` percent) of
+    /// `pool`: `limit` caps or slot-memory pages.
+    OverShare { pool: Pool, share: u32, limit: u64 },
+}
+
+/// A server-wide pool that databases share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    Caps,
+    SlotMemory,
+    Leases,
 }
