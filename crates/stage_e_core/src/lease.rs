@@ -16,7 +16,7 @@
 //! ([`token_base`]) and is raised above every saved or durable floor: so tokens keep growing
 //! across a restart, a crash or a promotion, also when the new server's clock is behind.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use crate::sync::{spin_loop, AtomicU32, Ordering};
 
 const FREE: u32 = 0;
 const LIVE: u32 = 1;
@@ -44,7 +44,7 @@ impl LeaseState {
                 .compare_exchange(LIVE, BUSY, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => return true,
-                Err(BUSY) => std::hint::spin_loop(),
+                Err(BUSY) => spin_loop(),
                 Err(_) => return false,
             }
         }
@@ -87,7 +87,7 @@ pub fn token_base(now_us: i64) -> u64 {
     (now_us.max(0) as u64) << TOKENS_PER_MICROSECOND_LOG2
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod unit {
     use super::*;
     use std::collections::HashSet;
