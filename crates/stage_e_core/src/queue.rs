@@ -121,3 +121,199 @@ impl WaitLine {
         self.front.to_wake(bits, true)
     }
 }
+
+/// The waiter's and the releaser's steps as the extension runs them (`slots::waiting`,
+/// `shmem::waitq`), over `Q` (the queue lock and its list of waiter records), `park` (sleep on
+/// the latch) and `wake` (set latches). For the tests.
+#[cfg(test)]
+mod run {
+    use super::*;
+    use crate::occupancy;
+
+    /// Waits in `line` for one slot of `[0, n)` as process `me`, holds it, gives it back.
+    /// `lock` runs its argument under the queue lock with the list of queued seats.
+    pub(super) fn wait_take_release(
+        line: &WaitLine,
+        waiters: &Waiters,
+        bits: &[AtomicU64],
+        me: usize,
+        n: u32,
+        lock: &dyn Fn(&mut dyn FnMut(&mut Vec<Seated>)),
+        park: &dyn Fn(),
+        wake: &dyn Fn(&Seats),
+    ) {
+        let mut ticket = 0;
+        lock(&mut |q| {
+            ticket = line.join(waiters, |t| {
+                let s = Seated {
+                    process: me,
+                    ticket: t,
+                    n,
+                    k: 1,
+                };
+                q.push(s);
+                s
+            })
+        });
+        loop {
+            let slot = line
+                .may_take(ticket, bits)
+                .and_then(|from| occupancy::claim_first_free(bits, from, n))
+                .map(|c| c.keep());
+            if let Some(slot) = slot {
+                let mut woken = Seats::default();
+                lock(&mut |q| {
+                    q.retain(|s| s.ticket != ticket);
+                    woken = line.leave(waiters, ticket, n, q.iter().copied(), bits);
+                });
+                wake(&woken);
+                occupancy::clear(bits, slot);
+                wake(&line.released(waiters, bits));
+                return;
+            }
+            park();
+        }
+    }
+}
+
+/// Model checks: a waiter that sleeps is always woken (a lost wake-up leaves every thread
+/// parked, which loom reports as a deadlock).
+#[cfg(all(test, loom))]
+mod model {
+    use super::*;
+    use crate::occupancy;
+    use crate::sync::Ordering;
+    use loom::sync::atomic::AtomicBool;
+    use loom::sync::Arc;
+    use loom::thread;
+
+    /// The queue lock (the waits LWLock) as a spinlock on a loom atomic: loom's `Mutex` does
+    /// not mix with `unpark` (an unpark makes a thread blocked on it runnable, and loom then
+    /// panics), and a latch does not wake a process waiting for an LWLock. The list itself is
+    /// in a std mutex that only the spinlock's holder touches, so it never blocks.
+    struct Lock<T> {
+        held: AtomicBool,
+        list: std::sync::Mutex<T>,
+    }
+
+    impl<T> Lock<T> {
+        fn new(t: T) -> Self {
+            Lock {
+                held: AtomicBool::new(false),
+                list: std::sync::Mutex::new(t),
+            }
+        }
+
+        fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+            while self
+                .held
+                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                thread::yield_now();
+            }
+            let r = f(&mut self.list.lock().unwrap());
+            self.held.store(false, Ordering::Release);
+            r
+        }
+    }
+
+    struct Cap {
+        line: WaitLine,
+        waiters: Waiters,
+        /// One slot, held at the start by the releaser.
+        bits: [AtomicU64; 1],
+        queue: Lock<Vec<Seated>>,
+        /// Process i's latch (its thread), registered before it queues.
+        latches: std::sync::Mutex<Vec<Option<thread::Thread>>>,
+    }
+
+    fn cap() -> Arc<Cap> {
+        Arc::new(Cap {
+            line: WaitLine::default(),
+            waiters: Waiters::default(),
+            bits: [AtomicU64::new(1)],
+            queue: Lock::new(Vec::new()),
+            latches: std::sync::Mutex::new(vec![None; 3]),
+        })
+    }
+
+    fn wake(c: &Cap, seats: &Seats) {
+        let latches = c.latches.lock().unwrap();
+        for s in seats.iter() {
+            latches[s.process].as_ref().expect("registered").unpark();
+        }
+    }
+
+    fn waiter(c: Arc<Cap>, me: usize) -> thread::JoinHandle<()> {
+        thread::spawn(move || {
+            c.latches.lock().unwrap()[me] = Some(thread::current());
+            run::wait_take_release(
+                &c.line,
+                &c.waiters,
+                &c.bits,
+                me,
+                1,
+                &|f| c.queue.with(|q| f(q)),
+                &thread::park,
+                &|s| wake(&c, s),
+            );
+        })
+    }
+
+    /// Two waiters queue for the one slot while its holder releases it: both get it in turn.
+    #[test]
+    fn no_wake_up_is_lost_between_a_release_and_two_waiters() {
+        loom::model(|| {
+            let c = cap();
+            let ws = [waiter(c.clone(), 1), waiter(c.clone(), 2)];
+            occupancy::clear(&c.bits, 0);
+            wake(&c, &c.line.released(&c.waiters, &c.bits));
+            for w in ws {
+                w.join().unwrap();
+            }
+            assert_eq!(c.waiters.count(), 0);
+            assert_eq!(c.bits[0].load(Ordering::Relaxed), 0);
+        });
+    }
+
+    /// The head leaves (it timed out) while the holder releases: the waiter behind it, now the
+    /// head, is woken by one or the other.
+    #[test]
+    fn no_wake_up_is_lost_when_the_head_leaves_during_a_release() {
+        loom::model(|| {
+            let c = cap();
+            c.latches.lock().unwrap()[1] = Some(thread::current());
+            let ticket = c.queue.with(|q| {
+                c.line.join(&c.waiters, |t| {
+                    let s = Seated {
+                        process: 1,
+                        ticket: t,
+                        n: 1,
+                        k: 1,
+                    };
+                    q.push(s);
+                    s
+                })
+            });
+            let behind = waiter(c.clone(), 2);
+            let releaser = {
+                let c = c.clone();
+                thread::spawn(move || {
+                    occupancy::clear(&c.bits, 0);
+                    wake(&c, &c.line.released(&c.waiters, &c.bits));
+                })
+            };
+            // Timed out: leaves without taking.
+            let woken = c.queue.with(|q| {
+                q.retain(|s| s.ticket != ticket);
+                c.line
+                    .leave(&c.waiters, ticket, 1, q.iter().copied(), &c.bits)
+            });
+            wake(&c, &woken);
+            releaser.join().unwrap();
+            behind.join().unwrap();
+            assert_eq!(c.waiters.count(), 0);
+        });
+    }
+}
