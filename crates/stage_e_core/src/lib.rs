@@ -11,6 +11,7 @@
 //! - `directory`: cap names, lock keys and the (database, name) index;
 //! - `counters`: the one list of counters, their values and the pending-counts file;
 //! - `flush`: a cap's hot counters, and the flush seqlock and book that make them durable once;
+//! - `holder`: the holder record of one slot (pid or lease marker, since when);
 //! - `histogram`: the hold and wait histograms' buckets, and their quantiles;
 //! - `layout`: where each part of the shared segment starts, from the settings;
 //! - `state`: a cap entry's state word (generation, lock bit, counted pins) and hazard pins;
@@ -35,6 +36,7 @@ pub mod directory;
 pub mod flush;
 pub mod front;
 pub mod histogram;
+pub mod holder;
 pub mod layout;
 pub mod lease;
 pub mod lifecycle;
