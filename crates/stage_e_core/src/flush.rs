@@ -376,13 +376,18 @@ mod unit {
     /// halves of a pair.
     #[test]
     fn seqlock_readers_never_see_a_torn_pair_with_threads() {
-        let lock = Arc::new((SeqLock::default(), AtomicU64::new(0), AtomicU64::new(0)));
+        // The lock, the pair, and how many reads were made.
+        let lock = Arc::new((
+            SeqLock::default(),
+            AtomicU64::new(0),
+            AtomicU64::new(0),
+            AtomicU64::new(0),
+        ));
         let stop = Arc::new(AtomicBool::new(false));
         let readers: Vec<_> = (0..3)
             .map(|_| {
                 let (lock, stop) = (lock.clone(), stop.clone());
                 std::thread::spawn(move || {
-                    let mut reads = 0u64;
                     while !stop.load(Ordering::Relaxed) {
                         let (a, b) = lock.0.read(|| {
                             (
@@ -391,13 +396,15 @@ mod unit {
                             )
                         });
                         assert_eq!(a, b, "torn read");
-                        reads += 1;
+                        lock.3.fetch_add(1, Ordering::Relaxed);
                     }
-                    reads
                 })
             })
             .collect();
-        for i in 1..200_000u64 {
+        // Writes until the readers have read a while (on a loaded machine they may start late).
+        let mut i = 0u64;
+        while i < 100_000 || lock.3.load(Ordering::Relaxed) < 30_000 {
+            i += 1;
             lock.0.write(|| {
                 lock.1.store(i, Ordering::Relaxed);
                 lock.2.store(i, Ordering::Relaxed);
@@ -405,7 +412,7 @@ mod unit {
         }
         stop.store(true, Ordering::Relaxed);
         for r in readers {
-            assert!(r.join().unwrap() > 0);
+            r.join().unwrap();
         }
     }
 
@@ -498,7 +505,7 @@ mod model {
     /// finds a read of (1, 0) or (2, 1) that validates.
     #[test]
     fn a_reader_never_sees_a_torn_write() {
-        loom::model(|| {
+        crate::sync::model(|| {
             let s = Arc::new((SeqLock::default(), AtomicU64::new(0), AtomicU64::new(0)));
             let writer = {
                 let s = s.clone();
@@ -566,7 +573,7 @@ mod model {
     /// it counted itself (a count in neither), and at the end table plus pending is exact.
     #[test]
     fn no_count_is_lost_or_counted_twice_across_a_flush() {
-        loom::model(|| {
+        crate::sync::model(|| {
             let c = Arc::new(Cap::default());
             let flushers: Vec<_> = [1, 2]
                 .map(|pid| {
@@ -592,7 +599,7 @@ mod model {
     /// twice, and a flush after it moves everything.
     #[test]
     fn an_aborted_flush_leaves_its_counts_pending() {
-        loom::model(|| {
+        crate::sync::model(|| {
             let c = Arc::new(Cap::default());
             c.counts.add(0, 1);
             let aborting = {

@@ -609,7 +609,7 @@ mod model {
     /// the end the slot, the records and the count are free.
     #[test]
     fn no_slot_is_leased_twice_and_every_lease_ends_once() {
-        loom::model(|| {
+        crate::sync::model(|| {
             let c = Arc::new(Cap::new(1, 2, 3));
             let takers: Vec<_> = [1u64, 2]
                 .map(|token| {
@@ -644,7 +644,7 @@ mod model {
     /// runs: when all is done the bound is at most every live lease's expiry.
     #[test]
     fn the_expiry_bound_never_leaves_a_live_lease_out() {
-        loom::model(|| {
+        crate::sync::model(|| {
             let c = Arc::new(Cap::new(2, 2, 3));
             assert_eq!(c.take(2, 1, 1, 20), Some(0));
             let starter = {
@@ -667,5 +667,108 @@ mod model {
                 assert!(due <= e, "bound {due} leaves out a lease expiring at {e}");
             }
         });
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod records {
+    use super::run::Cap;
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicI64};
+    use std::sync::Arc;
+
+    /// Takers lease slots of a cap and release them by token (some after their expiry), a
+    /// sweeper ends the expired ones, the clock runs: the checks of `run::Cap` (a slot never
+    /// leased twice, a lease never ended twice) hold, every lease taken ends exactly once, and
+    /// the bound never leaves a live lease out when the sweeper is done.
+    #[test]
+    fn takers_releases_and_sweeps_race_without_losing_or_doubling_a_lease() {
+        const TAKERS: u64 = 4;
+        const ROUNDS: u64 = 2_000;
+        let c = Arc::new(Cap::new(3, 4, (TAKERS * ROUNDS + 1) as usize));
+        let clock = Arc::new(AtomicI64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let sweeper = {
+            let (c, clock, stop) = (c.clone(), clock.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut swept = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let now = clock.fetch_add(1, Ordering::Relaxed) + 1;
+                    swept += c.sweep(now).len();
+                }
+                swept
+            })
+        };
+        let takers: Vec<_> = (0..TAKERS)
+            .map(|me| {
+                let (c, clock) = (c.clone(), clock.clone());
+                std::thread::spawn(move || {
+                    let mut taken = Vec::new();
+                    for round in 0..ROUNDS {
+                        let token = me * ROUNDS + round + 1;
+                        let expires = clock.load(Ordering::Relaxed) + (token % 3) as i64;
+                        let Some(slot) = c.take(3, me as i32 + 1, token, expires) else {
+                            std::thread::yield_now();
+                            continue;
+                        };
+                        taken.push(token);
+                        if round % 4 == 0 {
+                            if let Some(r) = c.locked(slot) {
+                                if r.info().token == token {
+                                    r.extend(expires + 2, &c.due);
+                                } else {
+                                    r.publish();
+                                }
+                            }
+                        }
+                        std::thread::yield_now();
+                        c.release(slot, token);
+                    }
+                    taken
+                })
+            })
+            .collect();
+        let taken: Vec<u64> = takers.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        stop.store(true, Ordering::Relaxed);
+        let swept = sweeper.join().unwrap();
+        assert!(
+            taken.len() as u64 > ROUNDS,
+            "the race ran ({} leases)",
+            taken.len()
+        );
+        for t in &taken {
+            assert_eq!(c.ended[*t as usize].load(Ordering::SeqCst), 1, "lease {t}");
+        }
+        let ended: u32 = c.ended.iter().map(|e| e.load(Ordering::SeqCst)).sum();
+        assert_eq!(ended as usize, taken.len());
+        assert!(swept > 0 || taken.len() as u64 == TAKERS * ROUNDS);
+        assert_eq!(c.live.count(), 0);
+        assert!(c.records.iter().all(LeaseRecord::is_free));
+        assert_eq!(c.bits[0].load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn the_bound_follows_starts_extensions_and_sweeps() {
+        let c = Cap::new(2, 2, 4);
+        assert!(!c.due.due(&c.live, i64::MAX - 1), "no lease");
+        assert_eq!(c.take(2, 1, 1, 50), Some(0));
+        assert_eq!(c.take(2, 2, 2, 40), Some(1));
+        assert_eq!(c.due.get(), 40);
+        assert!(c.due.due(&c.live, 40) && !c.due.due(&c.live, 39));
+        let r = c.locked(1).expect("live");
+        assert_eq!(r.info().token, 2);
+        r.extend(60, &c.due);
+        assert!(c.sweep(45).is_empty());
+        assert_eq!(
+            c.due.get(),
+            50,
+            "the sweep set the bound to the next expiry"
+        );
+        assert_eq!(c.release(0, 9), None, "another token");
+        let ended = c.sweep(55);
+        assert_eq!(ended.iter().map(|l| l.token).collect::<Vec<_>>(), [1]);
+        assert_eq!((c.live.count(), c.due.get()), (1, 60));
+        assert_eq!(c.release(1, 2).map(|l| l.expires_at), Some(60));
+        assert_eq!(c.live.count(), 0);
     }
 }

@@ -38,3 +38,16 @@ pub(crate) fn seqcst_pair() {
     #[cfg(all(test, loom))]
     fence(Ordering::SeqCst);
 }
+
+/// Runs a loom model of `f`: every interleaving of its threads with at most
+/// `LOOM_MAX_PREEMPTIONS` preemptions, 2 when unset (the suite then runs in about a minute on
+/// two cores; 3 takes over ten minutes and walks the spinning queue model past loom's branch
+/// limit).
+#[cfg(all(test, loom))]
+pub(crate) fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut b = loom::model::Builder::new();
+    if b.preemption_bound.is_none() {
+        b.preemption_bound = Some(2);
+    }
+    b.check(f);
+}
