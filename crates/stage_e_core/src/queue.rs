@@ -130,18 +130,26 @@ mod run {
     use super::*;
     use crate::occupancy;
 
+    /// Runs its argument under the queue lock with the list of queued seats.
+    pub(super) type Locked<'a> = &'a dyn Fn(&mut dyn FnMut(&mut Vec<Seated>));
+
+    /// What the server supplies: the queue lock, sleeping on the latch, setting latches.
+    pub(super) struct Server<'a> {
+        pub(super) lock: Locked<'a>,
+        pub(super) park: &'a dyn Fn(),
+        pub(super) wake: &'a dyn Fn(&Seats),
+    }
+
     /// Waits in `line` for one slot of `[0, n)` as process `me`, holds it, gives it back.
-    /// `lock` runs its argument under the queue lock with the list of queued seats.
     pub(super) fn wait_take_release(
         line: &WaitLine,
         waiters: &Waiters,
         bits: &[AtomicU64],
         me: usize,
         n: u32,
-        lock: &dyn Fn(&mut dyn FnMut(&mut Vec<Seated>)),
-        park: &dyn Fn(),
-        wake: &dyn Fn(&Seats),
+        server: Server,
     ) {
+        let Server { lock, park, wake } = server;
         let mut ticket = 0;
         lock(&mut |q| {
             ticket = line.join(waiters, |t| {
@@ -254,9 +262,11 @@ mod model {
                 &c.bits,
                 me,
                 1,
-                &|f| c.queue.with(|q| f(q)),
-                &thread::park,
-                &|s| wake(&c, s),
+                run::Server {
+                    lock: &|f| c.queue.with(|q| f(q)),
+                    park: &thread::park,
+                    wake: &|s| wake(&c, s),
+                },
             );
         })
     }
@@ -371,9 +381,11 @@ mod unit {
                             &bits,
                             me,
                             2,
-                            &|f| f(&mut queue.lock().unwrap()),
-                            &park,
-                            &wake,
+                            run::Server {
+                                lock: &|f| f(&mut queue.lock().unwrap()),
+                                park: &park,
+                                wake: &wake,
+                            },
                         );
                     }
                 })
