@@ -429,14 +429,14 @@ mod unit {
         let table = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let ids = Arc::new(AtomicU64::new(0));
-        // A statement's total, if no flush committed its row while it read (two commits
-        // between its row and its read of the book are beyond what a statement may see:
-        // `FlushState::pending`).
+        // A statement's total, unless the book it read is two flushes past its row (ids are
+        // given in order): a statement spans at most one flush's commit (`FlushState::pending`).
         let total = |cap: &(Counters, FlushBook), table: &AtomicU64| {
             let row = table.load(Ordering::Acquire);
             let s = cap.1.read(&cap.0, no_hist);
-            let t = (row >> 32) + s.pending(Some(row & 0xffff_ffff)).acquired;
-            (table.load(Ordering::Acquire) == row).then_some(t)
+            let id = row & 0xffff_ffff;
+            let t = (row >> 32) + s.pending(Some(id)).acquired;
+            (s.inflight_id.max(s.settled_id) <= id + 1).then_some(t)
         };
         let bumpers: Vec<_> = (0..2)
             .map(|_| {
@@ -527,13 +527,14 @@ mod model {
 
     /// A statement's total: the table's rows (total, newest flush id; made visible at
     /// "commit" before the cap advances) plus what is pending for a reader of that row. None
-    /// if a flush committed its row while the statement read (two flushes settled between a
-    /// statement's rows and its read of the book are beyond `FlushState::pending`).
+    /// if the book it read is two flushes past its row (ids are given in order): a statement
+    /// spans at most one flush's commit (`FlushState::pending`).
     fn total(c: &Cap) -> Option<u64> {
         let row = c.table.load(Ordering::Acquire);
         let (s, ()) = c.book.read_with(&c.counts, || ());
-        let t = (row >> 32) + s.pending(Some(row & 0xffff_ffff))[0];
-        (c.table.load(Ordering::Acquire) == row).then_some(t)
+        let id = row & 0xffff_ffff;
+        let t = (row >> 32) + s.pending(Some(id))[0];
+        (s.inflight_id.max(s.settled_id) <= id + 1).then_some(t)
     }
 
     /// A cap with one counter (see [`Counters`]).
