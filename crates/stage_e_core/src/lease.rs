@@ -772,3 +772,9 @@ mod records {
         assert_eq!(c.live.count(), 0);
     }
 }
+
+// Layout, for the extension's segment (a lease record is 48 bytes) and cap entry.
+#[cfg(not(all(test, loom)))]
+const _: () = assert!(
+    size_of::<LeaseRecord>() == 48 && size_of::<LiveLeases>() == 4 && size_of::<ExpiryBound>() == 8
+);

@@ -429,3 +429,7 @@ mod unit {
         assert_eq!(waiters.count(), 0);
     }
 }
+
+// Layout, for the extension's cap entry: the count is a u32, the line a ticket and the seats.
+#[cfg(not(all(test, loom)))]
+const _: () = assert!(size_of::<Waiters>() == 4 && size_of::<WaitLine>() == 112);
