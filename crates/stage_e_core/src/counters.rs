@@ -280,12 +280,15 @@ impl FlushState {
     /// still pending for it. Either way a single statement that reads the rows and then the
     /// pending counts, while a flush commits, sees each count exactly once.
     pub fn pending(&self, row_flush_id: Option<u64>) -> CounterValues {
-        let pending = self.carried.plus(self.counters).minus(self.flushed);
-        match row_flush_id {
-            Some(id) if id != 0 && id == self.inflight_id => pending.minus(self.inflight),
-            Some(id) if self.settled_id != 0 && id < self.settled_id => pending.plus(self.inflight),
-            _ => pending,
-        }
+        let read = crate::flush::BookRead {
+            counters: self.counters.to_array(),
+            carried: self.carried.to_array(),
+            flushed: self.flushed.to_array(),
+            inflight: self.inflight.to_array(),
+            inflight_id: self.inflight_id,
+            settled_id: self.settled_id,
+        };
+        CounterValues::from_array(read.pending(row_flush_id))
     }
 
     /// The histogram counts not yet in the table.

@@ -33,7 +33,7 @@
 //! address); 0 is an empty seat.
 
 use crate::occupancy;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use crate::sync::{spin_loop, yield_now, AtomicU32, AtomicU64, AtomicUsize, Ordering::SeqCst};
 
 /// How many waiters at the front of a cap's queue may take slots at the same time.
 pub const FRONT: usize = 4;
@@ -213,9 +213,9 @@ impl Front {
             }
             tries += 1;
             if tries.is_multiple_of(64) {
-                std::thread::yield_now(); // the writer may have been preempted
+                yield_now(); // the writer may have been preempted
             } else {
-                std::hint::spin_loop();
+                spin_loop();
             }
         }
     }
@@ -265,7 +265,7 @@ fn covered(seats: &[Seated], bits: &[AtomicU64]) -> usize {
     occupancy::covered_front(&asks[..seats.len()], |n| occupancy::free_below(bits, n))
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod unit {
     use super::*;
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -10,17 +10,21 @@
 //! - `arena`: the buddy allocator of slot blocks;
 //! - `directory`: cap names, lock keys and the (database, name) index;
 //! - `counters`: the one list of counters, their values and the pending-counts file;
+//! - `flush`: a cap's hot counters, and the flush seqlock and book that make them durable once;
+//! - `holder`: the holder record of one slot (pid or lease marker, since when);
 //! - `histogram`: the hold and wait histograms' buckets, and their quantiles;
 //! - `layout`: where each part of the shared segment starts, from the settings;
 //! - `state`: a cap entry's state word (generation, lock bit, counted pins) and hazard pins;
 //! - `front`: the front seats of a cap's queue of waiters, and which slots a call may take while
 //!   the cap has waiters;
 //! - `lease`: a lease record's states and fencing-token arithmetic;
+//! - `queue`: a cap's queue of waiters: its count, tickets and seats, and who a release wakes;
 //! - `lifecycle`: the durable horizon and token floor, start kinds, the lease file;
 //! - `load`: exponentially weighted load averages;
 //! - `share`: how much of a server-wide pool one database may hold;
 //! - `wait`: how long a call may wait, from an interval;
-//! - `version`: the SQL schema versions the library serves.
+//! - `version`: the SQL schema versions the library serves;
+//! - `sync`: std's atomics, or loom's in the model checks (`--cfg loom`).
 
 #![forbid(unsafe_code)]
 
@@ -29,14 +33,18 @@ pub mod counters;
 pub mod adapt;
 pub mod arena;
 pub mod directory;
+pub mod flush;
 pub mod front;
 pub mod histogram;
+pub mod holder;
 pub mod layout;
 pub mod lease;
 pub mod lifecycle;
 pub mod load;
 pub mod occupancy;
+pub mod queue;
 pub mod share;
 pub mod state;
+mod sync;
 pub mod version;
 pub mod wait;

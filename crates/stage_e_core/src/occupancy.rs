@@ -9,7 +9,7 @@
 //! The bitmap is a cache: the lock manager decides. A clear bit may still be locked by a raw
 //! `pg_try_advisory_lock` (the probe finds that out); a set bit is cleared by its owner only.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{fence, AtomicU64, Ordering};
 
 const WORD_BITS: u32 = 64;
 
@@ -177,7 +177,7 @@ pub fn covered_front(front: &[(u32, u32)], free_below: impl Fn(u32) -> u32) -> u
 /// more than `limit` between all such callers: of two claims made at once, the later one's
 /// fence orders the earlier one's bit before its loads, so at least one of them counts both.
 pub fn more_than(words: &[AtomicU64], limit: u32) -> bool {
-    std::sync::atomic::fence(Ordering::SeqCst);
+    fence(Ordering::SeqCst);
     let mut set = 0u32;
     for w in words {
         set += w.load(Ordering::Relaxed).count_ones();
@@ -202,7 +202,7 @@ pub fn count(words: &[AtomicU64], n: u32) -> u32 {
         .sum()
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod unit {
     #[test]
     fn the_one_word_path_claims_what_the_general_one_does() {

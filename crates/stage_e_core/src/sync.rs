@@ -1,0 +1,53 @@
+//! The atomics the lock-free protocols are written in: std's, or loom's in the crate's own tests
+//! built with `--cfg loom` (`RUSTFLAGS="--cfg loom" cargo test -p stage_e_core --release`), so
+//! the same code is model-checked over every interleaving of a few threads.
+//!
+//! Only the tests switch (`cfg(all(test, loom))`, as tokio does): loom is a dev-dependency, and
+//! the types the extension places in shared memory are always std's, whose layout is the
+//! integer's (loom's atomics are not: they live only in a model).
+//!
+//! **SeqCst under loom.** Loom treats a SeqCst *access* as AcqRel (its "unsupported features",
+//! tokio-rs/loom#180): the store-buffering pattern "store x; load y" against "store y; load x"
+//! may then read both old values, which C++'s single total order S forbids. A SeqCst *fence* it
+//! does model. So where a protocol relies on S between accesses to two locations (a Dekker
+//! pair: the wait queue's "no lost wake-up"), the code calls [`seqcst_pair`] between them: a
+//! no-op in every build (the SeqCst accesses already give that order), a `fence(SeqCst)` under
+//! loom, which gives the model what S gives the real code. Everything else loom models as is.
+
+#![allow(unused_imports)]
+
+#[cfg(all(test, loom))]
+pub(crate) use loom::{
+    hint::spin_loop,
+    sync::atomic::{fence, AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+    thread::yield_now,
+};
+
+#[cfg(not(all(test, loom)))]
+pub(crate) use std::{
+    hint::spin_loop,
+    sync::atomic::{fence, AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering},
+    thread::yield_now,
+};
+
+/// Between the two SeqCst halves of a Dekker pair (a store or RMW to one location, then a load
+/// of another): nothing in a build; under loom, the SeqCst fence that stands for the total
+/// order loom does not give SeqCst accesses (see the module note).
+#[inline(always)]
+pub(crate) fn seqcst_pair() {
+    #[cfg(all(test, loom))]
+    fence(Ordering::SeqCst);
+}
+
+/// Runs a loom model of `f`: every interleaving of its threads with at most
+/// `LOOM_MAX_PREEMPTIONS` preemptions, 2 when unset (the suite then runs in about a minute on
+/// two cores; 3 takes over ten minutes and walks the spinning queue model past loom's branch
+/// limit).
+#[cfg(all(test, loom))]
+pub(crate) fn model(f: impl Fn() + Sync + Send + 'static) {
+    let mut b = loom::model::Builder::new();
+    if b.preemption_bound.is_none() {
+        b.preemption_bound = Some(2);
+    }
+    b.check(f);
+}
