@@ -70,9 +70,11 @@ test-all:
 	$(MAKE) test PG=18 PG_CONFIG=$$(scripts/pg-config.sh 18)
 
 # Plain Rust, no server (no PostgreSQL needed): crates/stage_e_core's algorithms and its
-# lock-free protocols, tested with threads.
+# lock-free protocols, tested with threads, then model-checked with loom (every interleaving of
+# two or three threads, 2 preemptions; about a minute, in a target directory of its own).
 test-unit:
 	cargo test -p stage_e_core
+	CARGO_TARGET_DIR=target/loom RUSTFLAGS="--cfg loom" cargo test -p stage_e_core --release
 
 # #[pg_test]s, one at a time: they share one server and its slots.
 test-pg:

@@ -65,6 +65,11 @@ impl CapEntry {
     /// postmaster, before any backend) calls this.
     fn write(&self, f: impl FnOnce(&CapEntry)) {
         self.version.fetch_add(1, Ordering::AcqRel);
+        // The Release half of the increment orders only what came before it: without this
+        // fence a reader could see a new field value and still read the old even version at
+        // its check (a torn read; loom finds it: stage_e_core::flush's model). The fence pairs
+        // with the reader's fence(Acquire) before its check, as crossbeam's SeqLock::write.
+        std::sync::atomic::fence(Ordering::Release);
         f(self);
         self.version.fetch_add(1, Ordering::Release);
     }
