@@ -113,9 +113,9 @@ pub fn load(
 }
 
 fn log_hold(cap: &str, database: &str, until: i64, reason: &str, reclaimable: usize) {
+    let (cap, database) = (crate::names::quoted(cap), crate::names::quoted(database));
     crate::report::log(format!(
-        "stage_e_slots: cap \"{cap}\" of database \"{database}\" is held back until {} ({reason}): \
-         {}",
+        "stage_e_slots: cap {cap} of database {database} is held back until {} ({reason}): {}",
         ts(until),
         if reason == "recovery_hold" {
             "stage_e_slots.recovery_hold keeps it for work that outlived its connection".into()

@@ -399,6 +399,22 @@ fn convert_for_message(s: &str, enc: i32) -> Option<Vec<u8>> {
     })
 }
 
+/// `s` in double quotes for a report, a quote or backslash in it escaped with a backslash: a
+/// name cannot close its quotes early and pass the rest of itself off as the report's words
+/// (control characters are `report::one_line`'s).
+pub fn quoted(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
 /// `s` with every non-ASCII character as `\uXXXX` (`\UXXXXXXXX` above U+FFFF): the same in
 /// every server encoding.
 pub(crate) fn escape_non_ascii(s: &str) -> String {

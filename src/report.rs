@@ -15,14 +15,34 @@ pub fn ereport(
     detail: Option<String>,
     hint: Option<String>,
 ) {
-    let mut e = ErrorReport::new(code, names::message(message), "stage_e_slots");
+    let mut e = ErrorReport::new(code, names::message(one_line(message)), "stage_e_slots");
     if let Some(detail) = detail {
-        e = e.set_detail(names::message(detail));
+        e = e.set_detail(names::message(one_line(detail)));
     }
     if let Some(hint) = hint {
-        e = e.set_hint(names::message(hint));
+        e = e.set_hint(names::message(one_line(hint)));
     }
     e.report(level);
+}
+
+/// `s` with its control characters written out (`\n`, `\r`, `\t`, `\xNN`): every report of
+/// ours is one line of the server log, whatever a cap, role or database name holds, so a name
+/// with a newline cannot forge a line of its own. None of our texts has one on purpose.
+pub fn one_line(s: String) -> String {
+    if !s.chars().any(char::is_control) {
+        return s;
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() => out.push_str(&format!("\\x{:02X}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// An ERROR with its detail and hint.

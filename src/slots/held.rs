@@ -63,8 +63,9 @@ pub(super) fn lost(near: Option<&Cap>, held: Held) {
     let name = with_cap(near, held, |c| c.name()).unwrap_or_default();
     bump(near, held, Counter::Released, 1);
     forget(near, held, Some(session::statement_start()));
+    let name = crate::names::quoted(&name);
     crate::report::log(format!(
-        "stage_e_slots: slot {} of cap \"{name}\" of pid {} was released outside stage_e_release \
+        "stage_e_slots: slot {} of cap {name} of pid {} was released outside stage_e_release \
          (DISCARD ALL, pg_advisory_unlock_all() or pg_advisory_unlock()); it is free again",
         held.slot,
         session::pid()

@@ -10,6 +10,7 @@
 
 use super::{check_name, ready, SlotError};
 use crate::gucs;
+use crate::names::quoted;
 use crate::session;
 use crate::shmem::{self, PolicyChange, PolicyView};
 use crate::sql;
@@ -49,10 +50,11 @@ pub fn adapt(
     )
     .unwrap_or_else(|e| crate::report::fail(format!("stage_e_adapt: {e}")));
     let log = format!(
-        "stage_e_slots: role \"{}\" made cap \"{name}\" of database \"{}\" adaptive between {} \
-         and {} slots ({})",
-        sql::current_role(),
-        sql::current_database(),
+        "stage_e_slots: role {} made cap {} of database {} adaptive between {} and {} slots \
+         ({})",
+        quoted(&sql::current_role()),
+        quoted(name),
+        quoted(&sql::current_database()),
         bounds.min,
         bounds.max,
         if enforce { "enforced" } else { "monitor mode" },
@@ -72,10 +74,11 @@ pub fn adapt_off(cap: Option<&str>) -> Result<(), SlotError> {
     sql::write(&sql::adapt_off_query(&ext), &[DatumWithOid::from(name)])
         .unwrap_or_else(|e| crate::report::fail(format!("stage_e_adapt_off: {e}")));
     let log = format!(
-        "stage_e_slots: role \"{}\" returned cap \"{name}\" of database \"{}\" to the callers' n \
-         alone (stage_e_adapt_off)",
-        sql::current_role(),
-        sql::current_database(),
+        "stage_e_slots: role {} returned cap {} of database {} to the callers' n alone \
+         (stage_e_adapt_off)",
+        quoted(&sql::current_role()),
+        quoted(name),
+        quoted(&sql::current_database()),
     );
     session::policy_changed(name, PolicyChange::Off, log);
     Ok(())
@@ -93,9 +96,9 @@ pub fn apply_committed(changes: Vec<session::PendingPolicy>) {
             Ok(()) => crate::report::log(c.log),
             Err(e) => {
                 pgrx::warning!(
-                    "stage_e_slots: cap \"{}\" is not adaptive: all {} adaptive policy records \
+                    "stage_e_slots: cap {} is not adaptive: all {} adaptive policy records \
                  (stage_e_slots.max_adaptive_caps) were taken before this transaction committed",
-                    c.cap,
+                    quoted(&c.cap),
                     e.max
                 )
             }
@@ -129,8 +132,9 @@ pub fn tick() {
                 k => format!("; {k} changes since the last line"),
             };
             crate::report::log(format!(
-                "stage_e_slots: limit of cap \"{}\" of database \"{db}\": {}{also}",
-                m.cap,
+                "stage_e_slots: limit of cap {} of database {}: {}{also}",
+                quoted(&m.cap),
+                quoted(&db),
                 m.step.describe()
             ));
         }
@@ -192,8 +196,9 @@ pub fn restore(ext: &sql::Extension) -> Result<(), String> {
         let limit = limit.map(|l| l.max(0) as u32);
         if let Err(e) = shmem::restore_policy(db, &cap, bounds, enforce, limit, baseline, now) {
             crate::report::log(format!(
-                "stage_e_slots: cap \"{cap}\" is not adaptive after the restart: all {} adaptive \
+                "stage_e_slots: cap {} is not adaptive after the restart: all {} adaptive \
                  policy records (stage_e_slots.max_adaptive_caps) are in use",
+                quoted(&cap),
                 e.max
             ));
         }

@@ -621,10 +621,10 @@ fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
     // The token is a key to the slot: the server log only, never the client of this backend
     // (which may be another role's, with client_min_messages = log).
     crate::report::log_server_only(format!(
-        "stage_e_slots: lease of slot {} of cap \"{}\" (token {}, taken by pid {}) expired; \
+        "stage_e_slots: lease of slot {} of cap {} (token {}, taken by pid {}) expired; \
          freed after {:.3} s held, {:.3} s past its expiry",
         lease.slot,
-        cap.name(),
+        crate::names::quoted(&cap.name()),
         lease.token,
         lease.pid,
         held as f64 / 1e6,
