@@ -662,6 +662,36 @@ def test_another_role_can_neither_release_nor_renew_a_lease_nor_read_its_token(r
                              ).fetchone()[0] is True
 
 
+def test_a_stale_token_is_lost_whoever_leased_the_slot_since(roles, connect):
+    """Issue 35: alice's lease expired and mallory (another role) leased the slot. Alice's
+    renewal and release with her old token raised 42501, as if she were a thief; the token is
+    merely stale (older than the slot's lease): false and a WARNING, as for any stale token,
+    and mallory keeps the slot. Her token or a guess past it stays 42501."""
+    observer = connect("observer")
+    with roles["alice"]() as alice, roles["mallory"]() as mallory:
+        slot, old = lease_of(alice, "stale", 1, "200 ms")
+        wait_for(lambda: lease_of(mallory, "stale", 1, "1 h")[0] == slot, timeout=10,
+                 what="mallory to lease the expired slot")
+        mine = observer.execute("SELECT token FROM stage_e_slot_holders WHERE cap = 'stale'"
+                                ).fetchone()[0]
+        assert mine > old
+        seen = []
+        alice.add_notice_handler(lambda d: seen.append((d.severity, d.message_detail)))
+        assert alice.execute("SELECT stage_e_renew('stale', %s, %s, '1 h')", (slot, old)
+                             ).fetchone()[0] is False
+        assert alice.execute("SELECT stage_e_release_lease('stale', %s, %s)", (slot, old)
+                             ).fetchone()[0] is False
+        assert [s[0] for s in seen] == ["WARNING", "WARNING"], seen
+        assert all(str(mine) not in str(d) for _, d in seen)
+        for guess in (mine, mine + 1):
+            with pytest.raises(errors.InsufficientPrivilege):
+                alice.execute("SELECT stage_e_release_lease('stale', %s, %s)", (slot, guess))
+        assert observer.execute("SELECT slot, token FROM stage_e_slot_holders "
+                                "WHERE cap = 'stale'").fetchall() == [(slot, mine)]
+        assert mallory.execute("SELECT stage_e_release_lease('stale', %s, %s)", (slot, mine)
+                               ).fetchone()[0] is True
+
+
 def test_a_wrong_token_warning_never_shows_the_current_token(roles):
     with roles["alice"]() as alice:
         slot, token = lease_of(alice, "w", 1, "1 h")

@@ -699,10 +699,13 @@ pub fn settle_lease(
     let Some(cap) = existing(name) else {
         return Ok(LeaseOutcome::NotCurrent { current: None });
     };
-    // A lease belongs to the role that took it: anyone else is refused before anything is
-    // looked at further or counted (the token need not even match).
+    // A live lease belongs to the role that took it: anyone else presenting its token, or a
+    // guess at or past it, is refused before anything is counted. A token older than the
+    // slot's lease is a stale one of the slot (tokens only grow): its holder's lease expired
+    // and the slot was leased again, by whichever role; that holder lost it, false and a
+    // WARNING, as for any stale token.
     if let Some(l) = cap.lease_of(slot) {
-        if !session::may_act_for(l.owner) {
+        if token as u64 >= l.token && !session::may_act_for(l.owner) {
             return Err(SlotError::named(
                 name,
                 NamedError::NotLeaseOwner {
