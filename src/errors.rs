@@ -462,12 +462,16 @@ pub fn raise_not_installed() -> ! {
 }
 
 /// The WARNING of a release by a session that does not hold the slot.
-pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>) {
-    let detail = match holder {
-        Some(pid) => {
+pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>, leased: bool) {
+    let detail = match (holder, leased) {
+        (Some(pid), _) => {
             format!("Slot {slot} of cap \"{cap}\" is held by pid {pid}; it keeps the slot.")
         }
-        None => format!("No session holds slot {slot} of cap \"{cap}\"."),
+        (None, true) => format!(
+            "Slot {slot} of cap \"{cap}\" is leased; its holder keeps it (a lease is released \
+             with stage_e_release_lease and its token)."
+        ),
+        (None, false) => format!("No session holds slot {slot} of cap \"{cap}\"."),
     };
     let message = if cap == DEFAULT_CAP {
         format!("slot {slot} was not held by this connection")

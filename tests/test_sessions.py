@@ -98,6 +98,35 @@ def test_extension_and_raw_advisory_locks_contend_both_ways(connect):
     assert one(ext, "SELECT stage_e_try_slot(1)") == 0
 
 
+def test_releasing_a_raw_lock_on_a_slot_counts_no_release(connect):
+    """Issue 35: stage_e_release of a slot this session holds only by a raw pg_advisory_lock
+    freed it and counted a release the extension never handed out (released > acquired). It
+    still frees the lock the caller holds (true), but counts nothing."""
+    c, observer = connect(), connect("observer")
+    assert one(c, "SELECT stage_e_try_slot(4)") == 0  # the cap exists, with its counters
+    assert one(c, "SELECT stage_e_release(0)") is True
+    before = stats(observer)
+    assert one(c, "SELECT pg_advisory_lock(%s, 2)", (KEY,)) == ""
+    assert one(c, "SELECT stage_e_release(2)") is True
+    after = stats(observer)
+    assert (after["acquired"], after["released"], after["foreign_releases"]) == (
+        before["acquired"], before["released"], before["foreign_releases"])
+    assert slot_lock_holders(observer) == []
+
+
+def test_a_release_of_a_leased_slot_says_a_lease_holds_it(connect):
+    """The WARNING's DETAIL of a session release of a leased slot said "No session holds slot
+    0"; it says a lease does, and how a lease is released."""
+    c = connect()
+    assert c.execute("SELECT slot FROM stage_e_lease('leased_rel', 1, '1 h')").fetchone()[0] == 0
+    notices = []
+    c.add_notice_handler(lambda d: notices.append(notice(d)))
+    assert one(c, "SELECT stage_e_release('leased_rel', 0)") is False
+    assert "is leased; its holder keeps it" in notices[0]["detail"], notices
+    assert "stage_e_release_lease" in notices[0]["detail"]
+    assert one(c, "SELECT count(*) FROM stage_e_slot_holders WHERE cap = 'leased_rel'") == 1
+
+
 def test_same_session_raw_lock_is_not_handed_out_twice(connect):
     c, observer = connect(), connect("observer")
     assert one(c, "SELECT pg_advisory_lock(%s, 0)", (KEY,)) == ""

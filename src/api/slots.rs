@@ -82,8 +82,9 @@ fn stage_e_release_cap(cap: Option<CapArg<'_>>, slot: Option<i32>) -> bool {
 fn release(cap: Option<&str>, slot: Option<i32>) -> bool {
     match slots::release(cap, slot).unwrap_or_else(|e| raise(e)) {
         Release::Released => true,
-        Release::NotHeld { holder } => {
-            warn_not_held(cap.unwrap_or_default(), slot.unwrap_or_default(), holder);
+        Release::NotHeld { holder, leased } => {
+            let (cap, slot) = (cap.unwrap_or_default(), slot.unwrap_or_default());
+            warn_not_held(cap, slot, holder, leased);
             false
         }
     }

@@ -37,7 +37,11 @@ use stage_e_core::wait::Wait;
 
 pub enum Release {
     Released,
-    NotHeld { holder: Option<i32> },
+    /// Not this session's: the session holding its lock, if any, and whether a lease holds it.
+    NotHeld {
+        holder: Option<i32>,
+        leased: bool,
+    },
 }
 
 /// Who holds what a call takes.
@@ -801,11 +805,13 @@ pub fn release(cap: Option<&str>, slot: Option<i32>) -> Result<Release, SlotErro
     // transaction (transaction end reconciles), so go straight to the lock manager; an untracked
     // one is checked first, so that a foreign release does not draw core's WARNING too.
     if (tracked.is_some() || locks::held_by_me(key, slot)) && locks::unlock(key, slot) {
+        // Counted only if the extension handed it out: a raw pg_advisory_lock on the slot's key
+        // released here was never acquired, and released must not pass acquired.
         if let Some(held) = tracked {
             held::drop_bookkeeping(pinned.as_ref(), held, Some(session::statement_start()));
-        }
-        if let Some(cap) = &pinned {
-            cap.counters().bump(Counter::Released, 1);
+            if let Some(cap) = &pinned {
+                cap.counters().bump(Counter::Released, 1);
+            }
         }
         return Ok(Release::Released);
     }
@@ -830,6 +836,7 @@ fn not_released(
     }
     Ok(Release::NotHeld {
         holder: locks::holder_of(key, slot),
+        leased: pinned.is_some_and(|cap| cap.lease_of(slot).is_some()),
     })
 }
 
