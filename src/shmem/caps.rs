@@ -94,7 +94,7 @@ const MAX_KEYS_COVERED: u32 = 1 << 20;
 impl CapEntry {
     /// Nothing refers to the cap but its entry: no flush, no waiter, nothing pending, no hold.
     fn idle(&self) -> bool {
-        self.flusher.load(Ordering::Acquire) == 0
+        self.flush.idle()
             && self.waiters.load(Ordering::Acquire) == 0
             && self.pending().is_zero()
             && !self.held_at(now())
@@ -352,7 +352,7 @@ impl Segment {
             return false;
         };
         let busy = self.occupied(e)
-            || e.flusher.load(Ordering::Acquire) != 0
+            || !e.flush.idle()
             || e.waiters.load(Ordering::Acquire) != 0
             || (!dropped && (!e.pending().is_zero() || e.held_at(now())));
         if busy {
@@ -664,7 +664,7 @@ pub fn databases_with_pending() -> Vec<u32> {
     };
     sorted(
         seg.live()
-            .filter(|e| e.flusher.load(Ordering::Acquire) == 0 && !e.pending().is_zero())
+            .filter(|e| e.flush.idle() && !e.pending().is_zero())
             .map(|e| e.database())
             .filter(|&d| d != 0)
             .collect(),

@@ -12,9 +12,8 @@
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
 
-use super::records::{
-    load_name, store_name, Counters, Durable, Histograms, HotCounters, NAME_WORDS,
-};
+use super::records::{load_name, store_name, Durable, Histograms, HotCounters, NAME_WORDS};
+use stage_e_core::flush::FlushBook;
 use stage_e_core::front::Front;
 use stage_e_core::load::Averages;
 use stage_e_core::state::State;
@@ -32,27 +31,17 @@ pub(super) struct CapEntry {
     block: AtomicU32,
     capacity: AtomicU32,
     name_len: AtomicU32,
-    /// Pid of the process whose open transaction is flushing this cap; 0 = none. Only that
-    /// process writes the flush bookkeeping (`counters`).
-    pub(super) flusher: AtomicI32,
     hash: AtomicU64,
     name: [AtomicU64; NAME_WORDS],
     /// Waiters in the queue (read by every call; `waitq`).
     pub(super) waiters: AtomicU32,
     /// The n of the cap's latest acquisition (written only when it changes; `committed`).
     pub(super) latest_n: AtomicU32,
-    /// Id of the flush in progress (0 = none; its delta is `inflight`), and the seqlock over
-    /// carried/flushed/inflight (`counters`).
-    pub(super) inflight_id: AtomicU64,
-    pub(super) version: AtomicU64,
     /// Counted since the cap was created (the hot path writes only these).
     pub(super) counters: HotCounters,
-    /// Pending counts saved at the last clean shutdown, not yet in the table.
-    pub(super) carried: Counters,
-    /// Value of `counters` at the last committed flush.
-    pub(super) flushed: Counters,
-    /// Delta written by the flush in progress.
-    pub(super) inflight: Counters,
+    /// The flush bookkeeping (carried, flushed and in-flight counts under their seqlock) and
+    /// the flusher role (`counters`, `stage_e_core::flush`).
+    pub(super) flush: FlushBook,
     /// The next ticket of the queue, and its first waiters (`waitq`).
     pub(super) tail: AtomicU64,
     pub(super) front: Front,
@@ -61,9 +50,6 @@ pub(super) struct CapEntry {
     pub(super) load_throttles: Averages,
     pub(super) load_last_throttled: AtomicU64,
     pub(super) load_last_us: AtomicI64,
-    /// The id of the cap's last settled flush, whose delta `inflight` still holds (0 = none;
-    /// `counters`). Rarely written, so it takes the padding after the load averages.
-    pub(super) settled_id: AtomicU64,
     /// The committed lease horizon and token floor, the hold, the journal (`committed`).
     pub(super) durable: Durable,
     /// The hold and wait histograms, and what of them is flushed (`histograms`).

@@ -6,7 +6,7 @@
 //! the record.
 
 use pgrx::pg_sys;
-use stage_e_core::counters::COUNT;
+use stage_e_core::flush::Counters;
 use stage_e_core::histogram::VALUES;
 use stage_e_core::lease::LeaseState;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, Ordering};
@@ -40,12 +40,6 @@ pub(super) fn load_name(words: &[AtomicU64; NAME_WORDS], len: &AtomicU32) -> Str
 }
 
 // -- a cap entry's parts --------------------------------------------------------------------------
-
-/// One value per counter, in `CounterValues::NAMES` order.
-///
-/// Protocol: `counters`.
-#[repr(C)]
-pub struct Counters(pub(super) [AtomicU64; COUNT]);
 
 /// The counters every call bumps, on cache lines of their own, with the other fields that
 /// change as slots are taken.
