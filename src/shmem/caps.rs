@@ -95,7 +95,7 @@ impl CapEntry {
     /// Nothing refers to the cap but its entry: no flush, no waiter, nothing pending, no hold.
     fn idle(&self) -> bool {
         self.flush.idle()
-            && self.waiters.load(Ordering::Acquire) == 0
+            && self.waiters.count() == 0
             && self.pending().is_zero()
             && !self.held_at(now())
     }
@@ -353,7 +353,7 @@ impl Segment {
         };
         let busy = self.occupied(e)
             || !e.flush.idle()
-            || e.waiters.load(Ordering::Acquire) != 0
+            || e.waiters.count() != 0
             || (!dropped && (!e.pending().is_zero() || e.held_at(now())));
         if busy {
             e.state.unlock();

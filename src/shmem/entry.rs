@@ -14,8 +14,8 @@
 
 use super::records::{load_name, store_name, Durable, Histograms, HotCounters, NAME_WORDS};
 use stage_e_core::flush::FlushBook;
-use stage_e_core::front::Front;
 use stage_e_core::load::Averages;
+use stage_e_core::queue::{WaitLine, Waiters};
 use stage_e_core::state::State;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
 
@@ -34,7 +34,7 @@ pub(super) struct CapEntry {
     hash: AtomicU64,
     name: [AtomicU64; NAME_WORDS],
     /// Waiters in the queue (read by every call; `waitq`).
-    pub(super) waiters: AtomicU32,
+    pub(super) waiters: Waiters,
     /// The n of the cap's latest acquisition (written only when it changes; `committed`).
     pub(super) latest_n: AtomicU32,
     /// Counted since the cap was created (the hot path writes only these).
@@ -43,8 +43,7 @@ pub(super) struct CapEntry {
     /// the flusher role (`counters`, `stage_e_core::flush`).
     pub(super) flush: FlushBook,
     /// The next ticket of the queue, and its first waiters (`waitq`).
-    pub(super) tail: AtomicU64,
-    pub(super) front: Front,
+    pub(super) line: WaitLine,
     /// Load averages over 1, 5 and 15 minutes, written by the launcher only (`load`).
     pub(super) load_held: Averages,
     pub(super) load_throttles: Averages,
