@@ -128,34 +128,6 @@ impl CapEntry {
     }
 }
 
-/// Who holds a slot through the extension. Written only by the backend whose claim set the
-/// slot's bit (or, for a lease, by the lease's taker and whoever ends it), before the bit is
-/// cleared, so a reader that sees the bit set sees its owner's record (or zeros while the owner
-/// is between claim and lock). A negative pid names a lease record (`stage_e_core::lease`).
-#[repr(C)]
-pub struct SlotRecord {
-    pid: AtomicI32,
-    _pad: u32,
-    acquired_at: AtomicI64,
-}
-
-/// The arena sizes blocks by this record's size.
-const _: () = assert!(size_of::<SlotRecord>() == stage_e_core::arena::RECORD);
-
-impl SlotRecord {
-    pub fn set(&self, pid: i32, acquired_at: i64) {
-        self.acquired_at.store(acquired_at, Ordering::Relaxed);
-        self.pid.store(pid, Ordering::Release);
-    }
-
-    pub fn clear(&self) {
-        self.pid.store(0, Ordering::Release);
-        self.acquired_at.store(0, Ordering::Relaxed);
-    }
-
-    /// `(pid, acquired_at)`, pid 0 when nobody holds the slot through the extension.
-    pub fn get(&self) -> (i32, i64) {
-        let pid = self.pid.load(Ordering::Acquire);
-        (pid, self.acquired_at.load(Ordering::Relaxed))
-    }
-}
+/// Who holds a slot through the extension (its protocol: `stage_e_core::holder`). A negative
+/// pid names a lease record (`stage_e_core::lease`).
+pub use stage_e_core::holder::SlotRecord;
