@@ -94,8 +94,8 @@ const MAX_KEYS_COVERED: u32 = 1 << 20;
 impl CapEntry {
     /// Nothing refers to the cap but its entry: no flush, no waiter, nothing pending, no hold.
     fn idle(&self) -> bool {
-        self.flusher.load(Ordering::Acquire) == 0
-            && self.waiters.load(Ordering::Acquire) == 0
+        self.flush.idle()
+            && self.waiters.count() == 0
             && self.pending().is_zero()
             && !self.held_at(now())
     }
@@ -352,8 +352,8 @@ impl Segment {
             return false;
         };
         let busy = self.occupied(e)
-            || e.flusher.load(Ordering::Acquire) != 0
-            || e.waiters.load(Ordering::Acquire) != 0
+            || !e.flush.idle()
+            || e.waiters.count() != 0
             || (!dropped && (!e.pending().is_zero() || e.held_at(now())));
         if busy {
             e.state.unlock();
@@ -664,7 +664,7 @@ pub fn databases_with_pending() -> Vec<u32> {
     };
     sorted(
         seg.live()
-            .filter(|e| e.flusher.load(Ordering::Acquire) == 0 && !e.pending().is_zero())
+            .filter(|e| e.flush.idle() && !e.pending().is_zero())
             .map(|e| e.database())
             .filter(|&d| d != 0)
             .collect(),

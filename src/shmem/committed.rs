@@ -78,7 +78,7 @@ impl CapEntry {
         // Only a horizon still ahead has anything to come down from (a row written for its
         // floor alone says "now", which holds nothing back).
         horizon > now
-            && self.counters.leases.load(Ordering::Acquire) == 0
+            && self.counters.leases.count() == 0
             && d.horizon_wanted.load(Ordering::Acquire) <= horizon
             && d.lease_changes.load(Ordering::Acquire) == d.journal_written.load(Ordering::Acquire)
             && now - d.journal_at.load(Ordering::Relaxed) >= lifecycle::QUIET_AFTER_US

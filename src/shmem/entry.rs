@@ -12,11 +12,10 @@
 //! Field order is layout: the fields every call reads fill the first cache line, the counters
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
 
-use super::records::{
-    load_name, store_name, Counters, Durable, Histograms, HotCounters, NAME_WORDS,
-};
-use stage_e_core::front::Front;
+use super::records::{load_name, store_name, Durable, Histograms, HotCounters, NAME_WORDS};
+use stage_e_core::flush::FlushBook;
 use stage_e_core::load::Averages;
+use stage_e_core::queue::{WaitLine, Waiters};
 use stage_e_core::state::State;
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicU32, AtomicU64, Ordering};
 
@@ -32,38 +31,24 @@ pub(super) struct CapEntry {
     block: AtomicU32,
     capacity: AtomicU32,
     name_len: AtomicU32,
-    /// Pid of the process whose open transaction is flushing this cap; 0 = none. Only that
-    /// process writes the flush bookkeeping (`counters`).
-    pub(super) flusher: AtomicI32,
     hash: AtomicU64,
     name: [AtomicU64; NAME_WORDS],
     /// Waiters in the queue (read by every call; `waitq`).
-    pub(super) waiters: AtomicU32,
+    pub(super) waiters: Waiters,
     /// The n of the cap's latest acquisition (written only when it changes; `committed`).
     pub(super) latest_n: AtomicU32,
-    /// Id of the flush in progress (0 = none; its delta is `inflight`), and the seqlock over
-    /// carried/flushed/inflight (`counters`).
-    pub(super) inflight_id: AtomicU64,
-    pub(super) version: AtomicU64,
     /// Counted since the cap was created (the hot path writes only these).
     pub(super) counters: HotCounters,
-    /// Pending counts saved at the last clean shutdown, not yet in the table.
-    pub(super) carried: Counters,
-    /// Value of `counters` at the last committed flush.
-    pub(super) flushed: Counters,
-    /// Delta written by the flush in progress.
-    pub(super) inflight: Counters,
+    /// The flush bookkeeping (carried, flushed and in-flight counts under their seqlock) and
+    /// the flusher role (`counters`, `stage_e_core::flush`).
+    pub(super) flush: FlushBook,
     /// The next ticket of the queue, and its first waiters (`waitq`).
-    pub(super) tail: AtomicU64,
-    pub(super) front: Front,
+    pub(super) line: WaitLine,
     /// Load averages over 1, 5 and 15 minutes, written by the launcher only (`load`).
     pub(super) load_held: Averages,
     pub(super) load_throttles: Averages,
     pub(super) load_last_throttled: AtomicU64,
     pub(super) load_last_us: AtomicI64,
-    /// The id of the cap's last settled flush, whose delta `inflight` still holds (0 = none;
-    /// `counters`). Rarely written, so it takes the padding after the load averages.
-    pub(super) settled_id: AtomicU64,
     /// The committed lease horizon and token floor, the hold, the journal (`committed`).
     pub(super) durable: Durable,
     /// The hold and wait histograms, and what of them is flushed (`histograms`).
@@ -143,34 +128,6 @@ impl CapEntry {
     }
 }
 
-/// Who holds a slot through the extension. Written only by the backend whose claim set the
-/// slot's bit (or, for a lease, by the lease's taker and whoever ends it), before the bit is
-/// cleared, so a reader that sees the bit set sees its owner's record (or zeros while the owner
-/// is between claim and lock). A negative pid names a lease record (`stage_e_core::lease`).
-#[repr(C)]
-pub struct SlotRecord {
-    pid: AtomicI32,
-    _pad: u32,
-    acquired_at: AtomicI64,
-}
-
-/// The arena sizes blocks by this record's size.
-const _: () = assert!(size_of::<SlotRecord>() == stage_e_core::arena::RECORD);
-
-impl SlotRecord {
-    pub fn set(&self, pid: i32, acquired_at: i64) {
-        self.acquired_at.store(acquired_at, Ordering::Relaxed);
-        self.pid.store(pid, Ordering::Release);
-    }
-
-    pub fn clear(&self) {
-        self.pid.store(0, Ordering::Release);
-        self.acquired_at.store(0, Ordering::Relaxed);
-    }
-
-    /// `(pid, acquired_at)`, pid 0 when nobody holds the slot through the extension.
-    pub fn get(&self) -> (i32, i64) {
-        let pid = self.pid.load(Ordering::Acquire);
-        (pid, self.acquired_at.load(Ordering::Relaxed))
-    }
-}
+/// Who holds a slot through the extension (its protocol: `stage_e_core::holder`). A negative
+/// pid names a lease record (`stage_e_core::lease`).
+pub use stage_e_core::holder::SlotRecord;

@@ -4,15 +4,17 @@
 //! (`stage_e_core::lease::marker`) instead of a backend. There is no advisory lock (no session
 //! holds it), so shared memory is the truth for leases: the bit keeps session tries and other
 //! leases off the slot, and only the lease record frees it. A record changes only in the process
-//! that moved it to BUSY (`stage_e_core::lease::LeaseState`), so a renewal, a release by token
-//! and an expiry never act on one lease at once. A lease is taken with the cap pinned, and every
-//! operation on one pins its cap, so the record's (entry, generation, slot) tells a stale lease
-//! from a live one.
+//! that moved it to BUSY, so a renewal, a release by token and an expiry never act on one lease
+//! at once. A lease is taken with the cap pinned, and every operation on one pins its cap, so
+//! the record's (entry, generation, slot) tells a stale lease from a live one.
 //!
-//! **Expiry bound.** `lease_due` is a lower bound of the cap's expiries, so a call checks for
-//! expired leases with two loads. A sweep resets it *before* its scan and every lease it keeps
-//! lowers it again, as does every lease started meanwhile (after its slot record is set): so no
-//! lease is ever left out of it.
+//! The protocols are `stage_e_core::lease`'s (model-checked there): the records' states, claim,
+//! start, lock, extend, sweep and end (`LeaseRecord`), the cap's count of live leases
+//! (`LiveLeases`) and its expiry bound (`ExpiryBound`: a lower bound of the cap's expiries,
+//! reset by a sweep *before* its scan and lowered by every lease it keeps and every lease
+//! started meanwhile, so that no lease is ever left out of it). This file places them (the
+//! records in the segment, the count and the bound in the entry's hot lines) and ties them to
+//! the slots' holder records, the bits, the databases' shares and the wake-ups.
 //!
 //! **Tokens.** Every acquisition, session slot or lease, of any cap, takes the next value of
 //! one server-wide counter, so a token names one acquisition on the server whatever the cap
@@ -28,25 +30,15 @@
 use super::databases;
 use super::entry::CapEntry;
 use super::pin::pin;
-use super::records::LeaseRecord;
 use super::segment::{raise_tokens, segment};
 use super::Cap;
 use pgrx::pg_sys;
-use stage_e_core::lease;
+use stage_e_core::lease::{self, LeaseRecord};
 use stage_e_core::occupancy;
 use stage_e_core::state::CapRef;
-use std::sync::atomic::Ordering;
 
 /// A live lease as the holders view and the sweeps see it.
-#[derive(Clone, Copy, Debug)]
-pub struct LeaseInfo {
-    pub slot: u32,
-    pub token: u64,
-    pub pid: i32,
-    pub owner: u32,
-    pub acquired_at: i64,
-    pub expires_at: i64,
-}
+pub use stage_e_core::lease::LeaseInfo;
 
 /// Who takes a lease: the backend (0 for one restored from an earlier server) and its role.
 struct Taker {
@@ -76,39 +68,11 @@ pub enum LeaseCheck {
     None,
 }
 
-impl LeaseRecord {
-    pub(super) fn is_live(&self) -> bool {
-        self.state.is_live()
-    }
-
-    fn info(&self) -> LeaseInfo {
-        LeaseInfo {
-            slot: self.slot.load(Ordering::Relaxed),
-            token: self.token.load(Ordering::Relaxed),
-            pid: self.pid.load(Ordering::Relaxed),
-            owner: self.owner.load(Ordering::Relaxed),
-            acquired_at: self.acquired_at.load(Ordering::Relaxed),
-            expires_at: self.expires_at.load(Ordering::Relaxed),
-        }
-    }
-
-    fn cap(&self) -> CapRef {
-        CapRef {
-            entry: self.entry.load(Ordering::Relaxed),
-            generation: self.generation.load(Ordering::Relaxed),
-        }
-    }
-
-    fn is_of(&self, cap: CapRef, slot: u32) -> bool {
-        self.cap() == cap && self.slot.load(Ordering::Relaxed) == slot
-    }
-}
-
 impl CapEntry {
     /// Under the exclusive directory lock, creating: no lease.
     pub(super) fn start_leases(&self) {
-        self.counters.leases.store(0, Ordering::Relaxed);
-        self.counters.lease_due.store(i64::MAX, Ordering::Relaxed);
+        self.counters.leases.reset();
+        self.counters.lease_due.reset();
     }
 }
 
@@ -123,12 +87,13 @@ impl Cap {
 
     /// Live leases of this cap.
     pub fn lease_count(&self) -> u32 {
-        self.entry().counters.leases.load(Ordering::Acquire)
+        self.entry().counters.leases.count()
     }
 
     /// Whether a lease of this cap may have expired by `now`.
     pub fn lease_due(&self, now: i64) -> bool {
-        self.lease_count() > 0 && self.entry().counters.lease_due.load(Ordering::Acquire) <= now
+        let c = &self.entry().counters;
+        c.lease_due.due(&c.leases, now)
     }
 
     /// Records a lease of role `owner` on `slot`, whose bit the caller has claimed, if this
@@ -192,27 +157,27 @@ impl Cap {
         let Some(seg) = segment() else { return false };
         let len = seg.leases.len();
         let from = by.pid.unsigned_abs() as usize % len.max(1);
-        let Some(i) = (from..len)
-            .chain(0..from)
-            .find(|&i| seg.leases[i].state.claim())
-        else {
+        let Some(i) = (from..len).chain(0..from).find(|&i| seg.leases[i].claim()) else {
             return false;
         };
-        let r = &seg.leases[i];
         let counters = &self.entry().counters;
-        r.entry.store(self.at.entry, Ordering::Relaxed);
-        r.generation.store(self.at.generation, Ordering::Relaxed);
-        r.slot.store(slot, Ordering::Relaxed);
-        r.pid.store(by.pid, Ordering::Relaxed);
-        r.owner.store(by.owner, Ordering::Relaxed);
-        r.token.store(token, Ordering::Relaxed);
-        r.acquired_at.store(now, Ordering::Relaxed);
-        r.expires_at.store(expires_at, Ordering::Relaxed);
-        counters.leases.fetch_add(1, Ordering::AcqRel);
-        r.state.publish();
-        self.record(slot).set(lease::marker(i), now);
-        // Last: see "Expiry bound".
-        counters.lease_due.fetch_min(expires_at, Ordering::SeqCst);
+        let info = LeaseInfo {
+            slot,
+            token,
+            pid: by.pid,
+            owner: by.owner,
+            acquired_at: now,
+            expires_at,
+        };
+        // Counted and published, then named in the slot's holder record, then in the expiry
+        // bound (`stage_e_core::lease`).
+        seg.leases[i].start(
+            self.at,
+            &info,
+            &counters.leases,
+            || self.record(slot).set(lease::marker(i), now),
+            &counters.lease_due,
+        );
         self.note_lease_change();
         true
     }
@@ -230,25 +195,21 @@ impl Cap {
     /// free it. None if the slot has no live lease.
     fn with_lease<R>(&self, slot: u32, f: impl FnOnce(&LeaseRecord) -> R) -> Option<R> {
         let r = self.lease_record(slot)?;
-        if !r.state.lock() {
-            return None;
-        }
-        if !r.is_of(self.at, slot) {
-            r.state.publish();
-            return None;
-        }
-        Some(f(r))
+        r.lock_for(self.at, slot).then(|| f(r))
     }
 
     /// Frees the lease in `r` (locked by the caller): the slot record, the bit, the record;
     /// wakes the waiters the slot may serve.
     fn end_lease(&self, r: &LeaseRecord) -> LeaseInfo {
-        let info = r.info();
-        self.record(info.slot).clear();
-        occupancy::clear(self.bits(), info.slot);
-        self.entry().counters.leases.fetch_sub(1, Ordering::AcqRel);
-        databases::give_lease_share(self.database());
-        r.state.free();
+        let bits = self.bits();
+        let info = r.end(
+            &self.entry().counters.leases,
+            |l| {
+                self.record(l.slot).clear();
+                occupancy::clear(bits, l.slot);
+            },
+            || databases::give_lease_share(self.database()),
+        );
         self.note_lease_change();
         self.wake_front();
         info
@@ -266,7 +227,7 @@ impl Cap {
         self.with_lease(slot, |r| {
             let info = r.info();
             if info.token != token {
-                r.state.publish();
+                r.publish();
                 return LeaseCheck::Other(info);
             }
             if info.expires_at <= now {
@@ -274,12 +235,7 @@ impl Cap {
             }
             match extend_to {
                 Some(t) => {
-                    r.expires_at.store(t, Ordering::Relaxed);
-                    self.entry()
-                        .counters
-                        .lease_due
-                        .fetch_min(t, Ordering::SeqCst);
-                    r.state.publish();
+                    r.extend(t, &self.entry().counters.lease_due);
                     self.note_lease_change();
                     LeaseCheck::Live(info)
                 }
@@ -293,7 +249,7 @@ impl Cap {
     pub fn lease_of(&self, slot: u32) -> Option<LeaseInfo> {
         self.with_lease(slot, |r| {
             let info = r.info();
-            r.state.publish();
+            r.publish();
             info
         })
     }
@@ -309,22 +265,14 @@ impl Cap {
     }
 
     /// Ends every lease of this cap that expired by `now`; returns them (for the caller to
-    /// count and log) and sets `lease_due` to the next expiry (see "Expiry bound").
+    /// count and log) and sets `lease_due` to the next expiry (`stage_e_core::lease`, "Expiry
+    /// bound").
     pub fn expire_leases(&self, now: i64) -> Vec<LeaseInfo> {
         let due = &self.entry().counters.lease_due;
-        due.swap(i64::MAX, Ordering::SeqCst);
+        due.begin_sweep();
         let mut expired = Vec::new();
         for slot in 0..self.capacity() {
-            let got = self.with_lease(slot, |r| {
-                let expires_at = r.expires_at.load(Ordering::Relaxed);
-                if expires_at <= now {
-                    Some(self.end_lease(r))
-                } else {
-                    due.fetch_min(expires_at, Ordering::SeqCst);
-                    r.state.publish();
-                    None
-                }
-            });
+            let got = self.with_lease(slot, |r| r.sweep(now, due).then(|| self.end_lease(r)));
             if let Some(Some(info)) = got {
                 expired.push(info);
             }
@@ -341,7 +289,7 @@ pub fn caps_with_leases_due(now: i64) -> Vec<CapRef> {
     };
     let mut due: Vec<CapRef> = Vec::new();
     for r in seg.leases {
-        if !r.state.is_live() {
+        if !r.is_live() {
             continue;
         }
         let cap = r.cap();
@@ -358,11 +306,11 @@ pub fn caps_with_leases_due(now: i64) -> Vec<CapRef> {
                 // A live lease keeps its slot's bit set, so its cap is not reclaimed: the record
                 // was ended (and maybe reused) since it was read. Look again with it locked,
                 // and free it only if its cap is truly gone (defensive: nothing else could).
-                if r.state.lock() {
+                if r.lock() {
                     if pin(r.cap()).is_none() {
-                        r.state.free();
+                        r.free();
                     } else {
-                        r.state.publish();
+                        r.publish();
                     }
                 }
             }

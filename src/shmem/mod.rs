@@ -32,11 +32,12 @@
 //! 4. `launcher`: waking the background launcher, flush ids
 //! 5. `pin`: pinning an entry (hazard slots, counted pins) and the pinned handle [`Cap`]
 //! 6. `counters`: the hot counters and the flush seqlock over a cap's bookkeeping
+//!    (`stage_e_core::flush`'s, placed in the entry)
 //! 7. `histograms`: a cap's hold and wait histograms, and their flush base
 //! 8. `databases`: the table of databases: loaded, lease shares, flusher commits, start kind
 //! 9. `caps`: finding, creating, growing and reclaiming caps
-//! 10. `waitq`: a cap's queue of waiters
-//! 11. `leases`: slots held by a token, and fencing tokens
+//! 10. `waitq`: a cap's queue of waiters (`stage_e_core::queue`'s line, placed in the entry)
+//! 11. `leases`: slots held by a token (`stage_e_core::lease`'s records), and fencing tokens
 //! 12. `committed`: the committed lease horizon and token floor, holds, the journal
 //! 13. `policies`: adaptive caps' policies and what they learned, the enforced limit
 //! 14. `load`: load averages, sampled by the launcher

@@ -6,9 +6,9 @@
 //! the record.
 
 use pgrx::pg_sys;
-use stage_e_core::counters::COUNT;
+use stage_e_core::flush::Counters;
 use stage_e_core::histogram::VALUES;
-use stage_e_core::lease::LeaseState;
+use stage_e_core::lease::{ExpiryBound, LiveLeases};
 use std::sync::atomic::{AtomicI32, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
 /// Bytes of a cap's name at most (`directory::MAX_NAME`, rounded up to words).
@@ -41,12 +41,6 @@ pub(super) fn load_name(words: &[AtomicU64; NAME_WORDS], len: &AtomicU32) -> Str
 
 // -- a cap entry's parts --------------------------------------------------------------------------
 
-/// One value per counter, in `CounterValues::NAMES` order.
-///
-/// Protocol: `counters`.
-#[repr(C)]
-pub struct Counters(pub(super) [AtomicU64; COUNT]);
-
 /// The counters every call bumps, on cache lines of their own, with the other fields that
 /// change as slots are taken.
 ///
@@ -55,10 +49,10 @@ pub struct Counters(pub(super) [AtomicU64; COUNT]);
 pub(super) struct HotCounters {
     pub(super) counts: Counters,
     /// Live leases, and no lease expires before `lease_due` (a lower bound; `leases`).
-    pub(super) leases: AtomicU32,
+    pub(super) leases: LiveLeases,
     /// Lease grants between their room check and their lease record (`committed`'s "Quiet").
     pub(super) granting: AtomicU32,
-    pub(super) lease_due: AtomicI64,
+    pub(super) lease_due: ExpiryBound,
 }
 
 /// Protocol: `histograms`.
@@ -109,24 +103,6 @@ pub(super) struct WaiterRecord {
     pub(super) ticket: AtomicU64,
     pub(super) since: AtomicI64,
     pub(super) proc_: AtomicU64,
-}
-
-/// A lease: FREE, or LIVE on slot `slot` of the cap in entry `entry` at `generation`, or BUSY
-/// while one process reads and changes it.
-///
-/// Protocol: `leases`.
-#[repr(C)]
-pub(super) struct LeaseRecord {
-    pub(super) state: LeaseState,
-    pub(super) entry: AtomicU32,
-    pub(super) generation: AtomicU32,
-    pub(super) slot: AtomicU32,
-    pub(super) pid: AtomicI32,
-    /// The role that took the lease.
-    pub(super) owner: AtomicU32,
-    pub(super) token: AtomicU64,
-    pub(super) acquired_at: AtomicI64,
-    pub(super) expires_at: AtomicI64,
 }
 
 /// Bytes of a reason at most (`stage_e_cap_limits.reason`).

@@ -14,15 +14,13 @@
 //! path takes none.
 
 use super::entry::{CapEntry, SlotRecord};
-use super::records::{
-    HazardSlot, Launcher, LeaseRecord, Lifecycle, PolicyRecord, WaiterRecord, POLICY_SIZE,
-};
+use super::records::{HazardSlot, Launcher, Lifecycle, PolicyRecord, WaiterRecord, POLICY_SIZE};
 use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena::{self, Buddy};
 use stage_e_core::directory::{self, Index};
 use stage_e_core::layout::{self, Counts, Layout, Sizes};
-use stage_e_core::lease::token_base;
+use stage_e_core::lease::{token_base, LeaseRecord};
 use stage_e_core::lifecycle::TokenCounter;
 use stage_e_core::occupancy;
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};

@@ -1,12 +1,15 @@
 //! A cap's queue of waiters.
 //!
-//! A FIFO of tickets per cap (`tail` is the next one), with one record per waiting backend in
-//! the segment's list of waiters (a backend's own: the one of its PGPROC number). The first
-//! `FRONT` waiters in ticket order sit in the entry's front seats and only they take slots;
-//! while a cap has waiters, a call that is not queued takes only the slots no waiter can use
-//! (`stage_e_core::front`, which also states the rule and why no wake-up is lost). Joining and
-//! leaving take the waits LWLock; waiters and the release path read the seats without it (a
-//! seqlock) and set the latches of the seats that may take.
+//! A FIFO of tickets per cap, with one record per waiting backend in the segment's list of
+//! waiters (a backend's own: the one of its PGPROC number). The first `FRONT` waiters in ticket
+//! order sit in the entry's front seats and only they take slots; while a cap has waiters, a
+//! call that is not queued takes only the slots no waiter can use (`stage_e_core::front`, which
+//! states the rule). The count of waiters, the next ticket and the seats, and the steps by
+//! which waiters join and leave and releases wake them (and why no wake-up is lost), are
+//! `stage_e_core::queue`'s `Waiters` and `WaitLine`; this file places them in the entry and
+//! keeps the list of waiter records. Joining and leaving take the waits LWLock; waiters and the
+//! release path read the seats without it (a seqlock) and set the latches of the seats that may
+//! take.
 //!
 //! A cap with waiters is never reclaimed (`caps`), so a waiter holds no pin while it sleeps and
 //! leaves the queue by its entry alone. The policy (who waits, for how long, what a wake-up
@@ -62,30 +65,27 @@ fn wake(seats: Seats) {
 
 impl Cap {
     pub fn waiters(&self) -> u32 {
-        self.entry().waiters.load(Ordering::SeqCst)
+        self.entry().waiters.count()
     }
 
     /// Where the waiter holding `t` may take its slots now, from which slot up: None unless it
     /// is seated and the free slots serve it without taking any a waiter ahead of it could use
     /// (`stage_e_core::front::plans`).
     pub fn may_take(&self, t: Ticket) -> Option<u32> {
-        self.entry().front.may_take(t.ticket, self.bits())
+        self.entry().line.may_take(t.ticket, self.bits())
     }
 
     /// Where a call that is not queued may take `k` slots of `[0, n)` while the cap has
     /// waiters: from the widest n of the queue up, if k of those are free; else None.
     pub fn newcomer(&self, n: u32, k: u32) -> Option<u32> {
-        self.entry().front.newcomer(n, k, self.bits())
+        self.entry().line.newcomer(n, k, self.bits())
     }
 
     /// After freeing slots: sets the latch of the head, and of every seat behind it that may
     /// take now.
     pub fn wake_front(&self) {
         let e = self.entry();
-        if e.waiters.load(Ordering::SeqCst) == 0 {
-            return;
-        }
-        wake(e.front.to_wake(self.bits(), true));
+        wake(e.line.released(&e.waiters, self.bits()));
     }
 
     /// Joins the cap's queue; None if the list of waiters is full (it has a record for every
@@ -100,22 +100,21 @@ impl Cap {
                 .filter(|i| *i < seg.waiters.len() && free(i))
                 .or_else(|| (0..seg.waiters.len()).find(free))? as u32;
             let w = &seg.waiters[record as usize];
-            let ticket = e.tail.fetch_add(1, Ordering::SeqCst);
             // SAFETY: this backend's PGPROC and pid, set at start-up.
             let (me, pid) = unsafe { (pg_sys::MyProc, pg_sys::MyProcPid) };
-            w.entry.store(self.at.entry, Ordering::Relaxed);
-            w.pid.store(pid, Ordering::Relaxed);
-            w.n.store(n, Ordering::Relaxed);
-            w.k.store(k, Ordering::Relaxed);
-            w.ticket.store(ticket, Ordering::Relaxed);
-            w.since.store(since, Ordering::Relaxed);
-            w.proc_.store(me as u64, Ordering::Relaxed);
-            w.active.store(1, Ordering::Release);
             // Seated (and its n in the widest) before the count shows it: a call that sees the
-            // count sees its n.
-            let before = e.waiters.load(Ordering::SeqCst) as usize;
-            e.front.join(before, w.seated());
-            e.waiters.fetch_add(1, Ordering::SeqCst);
+            // count sees its n (`stage_e_core::queue`).
+            let ticket = e.line.join(&e.waiters, |ticket| {
+                w.entry.store(self.at.entry, Ordering::Relaxed);
+                w.pid.store(pid, Ordering::Relaxed);
+                w.n.store(n, Ordering::Relaxed);
+                w.k.store(k, Ordering::Relaxed);
+                w.ticket.store(ticket, Ordering::Relaxed);
+                w.since.store(since, Ordering::Relaxed);
+                w.proc_.store(me as u64, Ordering::Relaxed);
+                w.active.store(1, Ordering::Release);
+                w.seated()
+            });
             Some(Ticket { record, ticket })
         })
     }
@@ -134,25 +133,24 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
             return; // already left
         }
         w.active.store(0, Ordering::Release);
-        e.waiters.fetch_sub(1, Ordering::SeqCst);
-        let seated = e.front.holds(t.ticket);
-        if !seated && w.n.load(Ordering::Relaxed) < e.front.widest() {
-            return; // neither the seats nor the widest n change
-        }
-        e.front.reseat(
-            seg.waiters
-                .iter()
-                .filter(|o| {
-                    o.active.load(Ordering::Relaxed) == 1
-                        && o.entry.load(Ordering::Relaxed) == cap.entry
-                })
-                .map(WaiterRecord::seated),
-        );
-        if seated {
-            // Only the seats that may take now: the release that frees the others' slots wakes
-            // them. Waking in vain would cost every hand-off a second context switch.
-            wake(e.front.to_wake(seg.block(e).1, false));
-        }
+        let queued = seg
+            .waiters
+            .iter()
+            .filter(|o| {
+                o.active.load(Ordering::Relaxed) == 1
+                    && o.entry.load(Ordering::Relaxed) == cap.entry
+            })
+            .map(WaiterRecord::seated);
+        // Wakes only the seats that may take now, if `t` had one: the release that frees the
+        // others' slots wakes them (waking in vain would cost every hand-off a second context
+        // switch).
+        wake(e.line.leave(
+            &e.waiters,
+            t.ticket,
+            w.n.load(Ordering::Relaxed),
+            queued,
+            seg.block(e).1,
+        ));
     });
 }
 
