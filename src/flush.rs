@@ -210,20 +210,11 @@ fn reset(ext: &Extension, only: Option<&str>, id: u64) -> Result<(), FlushError>
 /// Pending counts of the current database's caps, as seen by a reader whose newest row has
 /// flush id `row_flush_id` (the totals view passes it: a flush that reader already sees is
 /// not counted twice). One entry per cap in use, zeros included.
-///
-/// NULL is what the view passes when the reader's snapshot sees no row at all: that reader has
-/// seen no flush, so it is read as flush id 0 (a flush settled since, the database's first,
-/// still has its delta pending for it). With rows in sight, NULL keeps its meaning "as of now".
 pub fn pending(row_flush_id: Option<i64>) -> Vec<(String, CounterValues)> {
-    let seen = match row_flush_id {
-        Some(id) => Some(id as u64),
-        None if !sql::extension().is_some_and(|ext| sql::counter_rows_visible(&ext)) => Some(0),
-        None => None,
-    };
     let mut out: Vec<(String, CounterValues)> = shmem::caps(Some(session::database()))
         .into_iter()
         .map(|cap| {
-            let p = cap.flush_state().pending(seen);
+            let p = cap.flush_state().pending(row_flush_id.map(|id| id as u64));
             (cap.name(), p)
         })
         .collect();

@@ -113,14 +113,3 @@ pub fn holder_of(key: i32, slot: u32) -> Option<i32> {
         .find(|g| g.key == key && g.slot == slot)
         .map(|g| g.pid)
 }
-
-/// Takes `AccessShareLock` on relation `relid` for the rest of the transaction, as a statement
-/// reading it would, if that can be had at once; false (and nothing taken) when another
-/// transaction holds a conflicting lock. A reader that must never wait on a table uses it.
-pub fn try_share_relation(relid: pg_sys::Oid) -> bool {
-    // SAFETY: a conditional relation lock in a transaction (SQL functions run in one); it
-    // never waits, and a lock taken is released by the transaction's end as any statement's.
-    unsafe {
-        pg_sys::ConditionalLockRelationOid(relid, pg_sys::AccessShareLock as pg_sys::LOCKMODE)
-    }
-}

@@ -220,34 +220,6 @@ pub fn horizon_rows_query(ext: &Extension) -> String {
     )
 }
 
-/// Whether the caller's snapshot sees any counter row (read-only SPI: the active snapshot, the
-/// same the caller's statement reads the table with). It never waits for the table: when its
-/// lock cannot be had at once (a LOCK or DDL in another transaction), or anything fails, the
-/// answer is "some row", and the caller keeps its "as of now" reading.
-pub fn counter_rows_visible(ext: &Extension) -> bool {
-    let table = format!("{}.stage_e_throttle_counter", ext.schema);
-    let relid = read(|c| {
-        c.select(
-            "SELECT pg_catalog.to_regclass($1)::pg_catalog.oid",
-            Some(1),
-            &[table.clone().into()],
-        )?
-        .first()
-        .get::<pg_sys::Oid>(1)
-    });
-    let Ok(Some(relid)) = relid else {
-        return true;
-    };
-    if !crate::locks::try_share_relation(relid) {
-        return true;
-    }
-    let query = format!("SELECT EXISTS (SELECT FROM {table})");
-    read(|c| c.select(&query, Some(1), &[])?.first().get::<bool>(1))
-        .ok()
-        .flatten()
-        .unwrap_or(true)
-}
-
 /// The caps that have a counter row.
 pub fn counter_caps_query(ext: &Extension) -> String {
     format!(

@@ -234,33 +234,6 @@ def test_a_reader_whose_snapshot_predates_a_flush_still_counts_its_delta(manual)
     holder.close()
 
 
-def test_a_reader_whose_snapshot_predates_the_first_flush_still_counts_its_delta(manual):
-    """As above, for the database's first flush: the reader's snapshot sees no row at all, so
-    the totals view passes NULL for the newest flush it sees. That is "no flush seen", not "as
-    of now": the delta the first flush moved out of the pending counts is still pending for
-    this snapshot. (The hunt for timing-dependent tests found it: right after a clean restart
-    the launcher's first round wrote the carried counts while a reader's statement ran, and
-    the totals read 0.)"""
-    db = manual.create_database("f_first_snapshot")
-    holder = held_cap(manual, db)
-    with manual.connect(db) as c, manual.connect(db) as flusher:
-        throttle(c, 6)
-        with c.transaction():
-            c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            assert totals(c)["throttled"] == 6  # the snapshot: no row, 6 pending
-            assert one(flusher, "SELECT throttled FROM stage_e_flush()") == 6  # the first row
-            assert totals(flusher)["throttled"] == 6
-            again = totals(c)
-            assert (again["throttled"], again["pending_throttled"]) == (6, 6)
-            assert one(c, "SELECT count(*) FROM stage_e_throttle_counter") == 0
-            # Called directly, the NULL default means the same to this snapshot.
-            assert one(c, "SELECT throttled FROM stage_e_pending() WHERE cap = 'default'") == 6
-        # A new snapshot sees the row, and the delta is no longer pending for it.
-        assert (totals(c)["throttled"], totals(c)["pending_throttled"]) == (6, 0)
-        assert one(c, "SELECT throttled FROM stage_e_pending() WHERE cap = 'default'") == 0
-    holder.close()
-
-
 def test_two_databases_keep_separate_totals(fc):
     a, b = fc.create_database("f_a"), fc.create_database("f_b")
     ha, hb = held_cap(fc, a), held_cap(fc, b)
