@@ -440,30 +440,14 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
         }
     }
     let deadline = match wait {
-        Wait::No => None,
-        Wait::For(d) => Some(Some(std::time::Instant::now() + d)),
-        Wait::Forever => Some(None),
-    };
-    match deadline {
-        Some(deadline) if !waits_for_itself(&cap, n, k) => {
-            waiting::wait_in_line(cap, n, k, deadline, kind)
-        }
-        _ => {
+        Wait::No => {
             cap.counters().bump(Counter::Throttled, 1);
-            Ok(None)
+            return Ok(None);
         }
-    }
-}
-
-/// Whether this session's own session slots leave fewer than `k` of `[0, n)` for anyone else
-/// to free: only this session can release them (or its end), so a wait would wait for itself
-/// for all of its time. Such a call is answered at once, throttled, as a plain try is.
-fn waits_for_itself(cap: &Cap, n: u32, k: u32) -> bool {
-    let mine = session::tracked(Some(cap.key()))
-        .iter()
-        .filter(|h| h.slot < n)
-        .count() as u32;
-    n.saturating_sub(mine) < k
+        Wait::For(d) => Some(std::time::Instant::now() + d),
+        Wait::Forever => None,
+    };
+    waiting::wait_in_line(cap, n, k, deadline, kind)
 }
 
 /// Takes `k` slots of `[from, n)`, all or none, the lowest free ones; `at` is their
