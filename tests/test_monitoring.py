@@ -441,14 +441,16 @@ def test_every_database_mode_tells_one_cap_name_in_two_databases_apart(cluster, 
     second = cluster.create_database(f"{db[:50]}_b")
     without = cluster.create_database(f"{db[:50]}_none", extension=False)
     try:
-        # Cap "exports" in both: one slot held in db, two (all) in the second, whose next
-        # try waits in vain.
+        # Cap "exports" in both: one slot held in db, two (all) in the second, where another
+        # session's try waits in vain (the holder's own would be answered at once).
         held = {db: 1, second: 2}
         for name, count in held.items():
             conn = cluster.connect(name, "holder")
             sessions.append(conn)
             assert [take(conn, "exports", 2) for _ in range(count)] == list(range(count))
-        assert take(sessions[1], "exports", 2, "0.05 s") is None
+        waiter = cluster.connect(second, "waiter")
+        sessions.append(waiter)
+        assert take(waiter, "exports", 2, "0.05 s") is None
         truth = {}
         for name in held:
             with cluster.connect(name) as conn:

@@ -48,7 +48,7 @@ public class JdbcVarchar {
             }
             System.out.println("stringtype=unspecified, setString wait: " + slot(b, "50 ms"));
             System.out.println("setObject(\"50 ms\", Types.OTHER) wait: "
-                    + slot(a, new Object[] {"50 ms"}));
+                    + slot(b, new Object[] {"50 ms"}));
             System.out.println("PGInterval(0, 0, 0, 0, 0, 0.05) wait: "
                     + slot(b, new PGInterval(0, 0, 0, 0, 0, 0.05)));
             System.out.println("PGInterval(\"10 s\") is " + new PGInterval("10 s").getValue());
