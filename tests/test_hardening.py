@@ -729,3 +729,27 @@ def test_members_operators_and_readers_get_what_postgresql_gives_them(roles, con
             ops.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token))
     assert su.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token)
                       ).fetchone()[0] is True
+
+
+def test_drop_role_while_it_holds_a_lease_leaves_the_lease_to_its_ttl_or_a_superuser(cluster):
+    """A lease is no catalog object, so DROP ROLE of its role succeeds (once its privileges
+    are gone) while it holds one (issue 35 asked: refuse it, or say what happens; docs/security.md
+    says this). The lease keeps its slot until its ttl, the holders view still shows it, and a
+    superuser may still renew or release it by its token."""
+    db = cluster.create_database("drop_leaser")
+    cluster.sql("DROP ROLE IF EXISTS gone_leaser")
+    cluster.sql("CREATE ROLE gone_leaser LOGIN")
+    cluster.sql(f'GRANT CONNECT ON DATABASE "{db}" TO gone_leaser')
+    with cluster.connect(db, user="gone_leaser") as leaser:
+        slot, token = lease_of(leaser, "orphan", 1, "1 h")
+    cluster.sql(f'REVOKE CONNECT ON DATABASE "{db}" FROM gone_leaser')
+    cluster.sql("DROP ROLE gone_leaser")
+    with cluster.connect(db) as su:
+        rows = su.execute("SELECT slot, token FROM stage_e_slot_holders "
+                          "WHERE cap = 'orphan'").fetchall()
+        assert rows == [(slot, token)]
+        assert lease_of(su, "orphan", 1, "1 s") == (None, None)  # still held
+        assert one(su, "SELECT stage_e_renew('orphan', %s, %s, '1 h')", (slot, token)) is True
+        assert one(su, "SELECT stage_e_release_lease('orphan', %s, %s)", (slot, token)) is True
+        assert su.execute("SELECT count(*) FROM stage_e_slot_holders WHERE cap = 'orphan'"
+                          ).fetchone()[0] == 0
