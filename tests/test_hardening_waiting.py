@@ -110,3 +110,30 @@ def test_k_slots_mixed_n_tries_and_waiters_take_only_what_no_waiter_ahead_can_us
          (4, second.pid), (5, second.pid)])
     s = stats(observer, "mixk")
     assert (s["waits"], s["wait_timeouts"]) == (2, 0)
+
+
+def test_a_session_that_holds_what_it_waits_for_is_answered_at_once(connect):
+    """A session holding all n slots of a cap (or so many that fewer than k are left to free)
+    and then waiting on it would wait its whole wait for itself: only it can free them. Such a
+    call answers NULL at once, counted as throttled, and waits for nothing; a session whose
+    slots leave room for another's release still waits (and is served by it)."""
+    me, other, observer = connect("me"), connect("other"), connect("observer")
+    assert [one(me, "SELECT stage_e_try_slot('self', 2)") for _ in range(2)] == [0, 1]
+    before = stats(observer, "self")
+    started = time.monotonic()
+    assert one(me, "SELECT stage_e_try_slot('self', 2, '10 s')") is None
+    assert one(me, "SELECT stage_e_try_slots('self', 3, 2, '10 s')") is None  # 1 of 3 left
+    assert time.monotonic() - started < 2, "it waited for itself"
+    after = stats(observer, "self")
+    assert after["throttled"] - before["throttled"] == 2
+    assert after["waits"] == before["waits"]
+    # One of 3 mine, two another session's: my wait for one slot is a real wait, served by
+    # the other's release.
+    assert one(me, "SELECT stage_e_release('self', 1)") is True
+    assert one(other, "SELECT stage_e_try_slot('self', 3)") == 1
+    assert one(other, "SELECT stage_e_try_slot('self', 3)") == 2
+    w = Waiter(me, "SELECT stage_e_try_slot('self', 3, '30 s')")
+    queued(observer, w, "self", 1)
+    assert one(other, "SELECT stage_e_release('self', 2)") is True
+    assert w.wait().result == 2
+    assert cap_locks(observer, "self") == [(0, w.pid), (1, other.info.backend_pid), (2, w.pid)]

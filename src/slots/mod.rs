@@ -440,14 +440,30 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
         }
     }
     let deadline = match wait {
-        Wait::No => {
-            cap.counters().bump(Counter::Throttled, 1);
-            return Ok(None);
-        }
-        Wait::For(d) => Some(std::time::Instant::now() + d),
-        Wait::Forever => None,
+        Wait::No => None,
+        Wait::For(d) => Some(Some(std::time::Instant::now() + d)),
+        Wait::Forever => Some(None),
     };
-    waiting::wait_in_line(cap, n, k, deadline, kind)
+    match deadline {
+        Some(deadline) if !waits_for_itself(&cap, n, k) => {
+            waiting::wait_in_line(cap, n, k, deadline, kind)
+        }
+        _ => {
+            cap.counters().bump(Counter::Throttled, 1);
+            Ok(None)
+        }
+    }
+}
+
+/// Whether this session's own session slots leave fewer than `k` of `[0, n)` for anyone else
+/// to free: only this session can release them (or its end), so a wait would wait for itself
+/// for all of its time. Such a call is answered at once, throttled, as a plain try is.
+fn waits_for_itself(cap: &Cap, n: u32, k: u32) -> bool {
+    let mine = session::tracked(Some(cap.key()))
+        .iter()
+        .filter(|h| h.slot < n)
+        .count() as u32;
+    n.saturating_sub(mine) < k
 }
 
 /// Takes `k` slots of `[from, n)`, all or none, the lowest free ones; `at` is their

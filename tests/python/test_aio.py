@@ -204,33 +204,74 @@ def test_a_statement_the_server_cancels_is_throttled_and_the_connection_kept(dsn
 # -- waiting on a shared connection -----------------------------------------------------------
 
 def test_a_wait_gives_way_to_the_release_it_waits_for(dsn, connect, cluster):
-    """The deadlock case: one region of the loop holds the only slot, another waits for it on
-    the same connection. The release must not queue behind the wait: it interrupts it, runs,
-    and the waiter gets the slot at once."""
+    """The deadlock case: one region of the loop holds a slot, another waits on the same
+    connection for a slot of that cap, whose other slot another session holds (so the wait is
+    in the server: either release may serve it). The region's release must not queue behind
+    the wait: it interrupts it, runs, and the waiter gets the slot at once."""
     observer = connect("observer")
+    assert one(observer, "SELECT stage_e_try_slot('w', 2)") == 0
     since = len(cluster.log_text())
     got = {}
 
     async def waiter():
         start = time.monotonic()
-        async with stage_e_slot(dsn, "w", n=1, wait=10) as slot:
+        async with stage_e_slot(dsn, "w", n=2, wait=10) as slot:
             got["slot"], got["after"] = slot, time.monotonic() - start
 
     async def main():
-        async with stage_e_slot(dsn, "w", n=1) as slot:
-            assert slot == 0
+        async with stage_e_slot(dsn, "w", n=2) as slot:
+            assert slot == 1
             task = asyncio.create_task(waiter())
             await until(lambda: waiters(observer, "w") == 1, "the waiter to wait in the server")
         # The holder's release ran: the waiter got the slot well before its 10 s.
         await asyncio.wait_for(task, 5)
 
     run(main())
-    assert got["slot"] == 0 and got["after"] < 3
+    assert got["slot"] == 1 and got["after"] < 3
+    assert one(observer, "SELECT stage_e_release('w', 0)") is True
     s = stats(observer, "w")
     # One wait, interrupted; the waiter's next try took the freed slot without waiting.
     assert (s["acquired"], s["released"], s["waits"], s["wait_timeouts"], s["throttled"]) == (
-        2, 2, 1, 0, 0)
+        3, 3, 1, 0, 0)
     assert cancels_logged(cluster, since) == 1
+
+
+def test_a_wait_for_slots_only_this_loop_holds_waits_in_the_client_for_their_release(
+        dsn, connect, cluster):
+    """A region of the loop holds the only slot and another waits for it on the same
+    connection. The server would answer that wait at once (its session waits for itself), so
+    the waiter never sends it: it waits in the client for a release on its connection, and is
+    served by the region's release without a wait or an interrupt in the server. Without a
+    release, its wait ends by its deadline with one try: one throttle, as any waiting call."""
+    observer = connect("observer")
+    since = len(cluster.log_text())
+    got = {}
+
+    async def waiter(cap, wait):
+        start = time.monotonic()
+        async with stage_e_slot(dsn, cap, n=1, wait=wait) as slot:
+            got[cap] = (slot, time.monotonic() - start)
+
+    async def main():
+        async with stage_e_slot(dsn, "own", n=1) as slot:
+            assert slot == 0
+            task = asyncio.create_task(waiter("own", 10))
+            await asyncio.sleep(0.5)
+            assert not task.done() and waiters(observer, "own") == 0  # waiting, in the client
+        await asyncio.wait_for(task, 5)
+        async with stage_e_slot(dsn, "own2", n=1) as slot:
+            assert slot == 0
+            await waiter("own2", 0.5)
+
+    run(main())
+    assert got["own"][0] == 0 and got["own"][1] < 3
+    assert got["own2"][0] is None and 0.5 <= got["own2"][1] < 3
+    s = stats(observer, "own")
+    assert (s["acquired"], s["released"], s["waits"], s["wait_timeouts"], s["throttled"]) == (
+        2, 2, 0, 0, 0)
+    s = stats(observer, "own2")
+    assert (s["acquired"], s["released"], s["waits"], s["throttled"]) == (1, 1, 0, 1)
+    assert cancels_logged(cluster, since) == 0
 
 
 def test_holding_and_other_caps_do_not_queue_behind_a_wait(dsn, connect):

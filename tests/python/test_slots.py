@@ -344,6 +344,18 @@ def test_wait_is_woken_by_a_release_and_times_out_as_throttled(dsn, connect):
     sc.close()
 
 
+def test_a_wait_for_slots_this_threads_connection_holds_is_answered_at_once(dsn, connect):
+    """Nothing else runs on a thread's connection while it waits: a wait for slots only it
+    holds would wait for itself. It is answered at once, one throttle, no wait."""
+    observer = connect("observer")
+    start = time.monotonic()
+    with stage_e_slot(dsn, "self", n=1) as held, stage_e_slot(dsn, "self", n=1, wait=10) as s:
+        assert held == 0 and s is None
+    assert time.monotonic() - start < 3
+    s = stats(observer, "self")
+    assert (s["acquired"], s["released"], s["waits"], s["throttled"]) == (1, 1, 0, 1)
+
+
 def test_k_slots_at_once_are_a_list_and_all_released(dsn, connect):
     observer = connect("observer")
     with stage_e_slot(dsn, "multi", n=4, k=3) as slots:

@@ -84,6 +84,18 @@ def _running_loop(what: str) -> asyncio.AbstractEventLoop:
                            "stage_e_slots' own API") from None
 
 
+# A call's statement for a wait of so many seconds; None: only this connection can serve it.
+Build = Callable[[float], "tuple[str, tuple[object, ...]] | None"]
+
+
+class _OwnSlots:
+    """What a turn answers when only this connection's own release could serve its call: the
+    connection's release count then."""
+
+    def __init__(self, releases: int) -> None:
+        self.releases = releases
+
+
 class _Turn:
     """One call's hold of a _Line's connection, from its turn to the end of its statements."""
 
@@ -147,6 +159,10 @@ class _Line:
         # Bumped whenever the connection is dropped: a region's slot taken on an earlier
         # connection went with it, and its release must not run on the new one.
         self.generation = 0
+        # Bumped by each release on the connection (and each drop), which wakes a waiting call
+        # that only this connection's own slots kept out (``_OwnSlots``).
+        self.releases = 0
+        self._released: asyncio.Event | None = None
 
     def forked_from(self) -> int | None:
         """The pid of the process whose connection this is, when that is not this one."""
@@ -164,6 +180,8 @@ class _Line:
         self.generation += 1
         if self._on_drop is not None:
             self._on_drop()
+        if not self.loop_closed():
+            self.note_release()  # every slot went with the session
         if conn is not None and self._pid == os.getpid():
             try:
                 conn.pgconn.finish()  # what close() does, without needing its loop
@@ -191,8 +209,31 @@ class _Line:
         self.drop()
         self._pid = os.getpid()
         self._loop, self._turn, self.queued = _loop_ref(loop), None, 0
+        self._released = None
         self._lock, self._head = asyncio.Lock(), asyncio.Lock()
         return self._lock, self._head
+
+    def note_release(self) -> None:
+        """A release ran on this connection: a call waiting for its own slots tries again."""
+        self.releases += 1
+        event, self._released = self._released, None
+        if event is not None:
+            event.set()
+
+    async def _until_released(self, since: int, timeout: float) -> bool:
+        """Whether a release ran on this connection since ``since`` (waiting up to ``timeout``
+        seconds for one)."""
+        if self.releases != since:
+            return True
+        if timeout <= 0:
+            return False
+        if self._released is None:
+            self._released = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._released.wait(), timeout)
+        except asyncio.TimeoutError:
+            return self.releases != since
+        return True
 
     def _preempt(self) -> None:
         turn = self._turn
@@ -283,7 +324,7 @@ class _Line:
         turn.after.append(task)
         await asyncio.shield(task)
 
-    async def call(self, build: Callable[[float], tuple[str, tuple[object, ...]]], wait: float,
+    async def call(self, build: Build, wait: float,
                    *, got: Callable[[Row | None], bool],
                    recover: Callable[[AsyncConn, str], Awaitable[None]]) -> int:
         """Runs ``build(seconds)``, a statement that waits up to ``seconds`` in the server, for
@@ -298,7 +339,13 @@ class _Line:
         statement whose answer was lost (an interrupt or a cancellation landing just then, a
         server error). Returns the connection's generation. Raises _Unreachable when the
         database cannot be reached (the connection is dropped), and the server's other
-        errors."""
+        errors.
+
+        ``build(seconds)`` returns None instead of a statement when only this connection's own
+        slots keep the call from what it asks (the server would answer such a wait at once,
+        throttled: it waits for itself there). Here another task of the loop may release them:
+        the head waits in the client for a release on the connection, then asks again; once its
+        wait has passed it tries once (its one throttle)."""
         if wait <= 0:
             return await self._until_answered(build, 0.0, got, recover)
         loop = asyncio.get_running_loop()
@@ -315,8 +362,8 @@ class _Line:
         finally:
             head.release()
 
-    async def _until_answered(self, build: Callable[[float], tuple[str, tuple[object, ...]]],
-                              until: float, got: Callable[[Row | None], bool],
+    async def _until_answered(self, build: Build, until: float,
+                              got: Callable[[Row | None], bool],
                               recover: Callable[[AsyncConn, str], Awaitable[None]], *,
                               loop: asyncio.AbstractEventLoop | None = None) -> int:
         """The statement with a wait up to ``until`` (the loop's time; without ``loop``, no
@@ -324,24 +371,33 @@ class _Line:
         while True:
             seconds = 0.0 if loop is None else max(0.0, until - loop.time())
             generation = await self._attempt(build, seconds, got, recover)
+            if isinstance(generation, _OwnSlots):
+                assert loop is not None  # build(0) is always a statement
+                if not await self._until_released(generation.releases, until - loop.time()):
+                    loop = None  # its wait has passed: one try
+                continue
             if generation is not None:
                 return generation
             # Interrupted (no answer, nothing counted as throttled): queue again, behind the
             # call that interrupted it, for what is left.
 
-    async def _attempt(self, build: Callable[[float], tuple[str, tuple[object, ...]]],
-                       seconds: float, got: Callable[[Row | None], bool],
-                       recover: Callable[[AsyncConn, str], Awaitable[None]]) -> int | None:
+    async def _attempt(self, build: Build, seconds: float, got: Callable[[Row | None], bool],
+                       recover: Callable[[AsyncConn, str], Awaitable[None]],
+                       ) -> int | None | _OwnSlots:
         """One turn: the statement built for ``seconds``. The generation when the server
         answered it (``got`` called), None when a non-waiting call interrupted it, or was
-        queued for the connection when this turn came (then nothing was sent)."""
+        queued for the connection when this turn came (then nothing was sent); ``_OwnSlots``
+        when only this connection's release can serve it (nothing was sent)."""
         async with self.turn(connect=True) as turn:
             if seconds > 0 and self.queued:
                 # Calls queued while it waited for its turn (they found no wait to interrupt):
                 # let them go first rather than start a wait they would have to interrupt.
                 return None
             conn = turn.connection
-            query, params = build(seconds)
+            built = build(seconds)
+            if built is None:
+                return _OwnSlots(self.releases)
+            query, params = built
             turn.preemptible = seconds > 0
             try:
                 row = await _fetch(conn, query, params)

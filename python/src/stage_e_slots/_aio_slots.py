@@ -86,9 +86,13 @@ class AsyncSlotConnection:
         async def recover(conn: AsyncConn, why: str) -> None:
             await self._release_unknown(conn, cap, why)
 
+        def build(wait: float) -> tuple[str, tuple[object, ...]] | None:
+            if wait > 0 and self._waits_for_itself(cap, n, k):
+                return None  # the line waits for a release of this connection's instead
+            return _slot_query(cap, n, k, wait)
+
         try:
-            generation = await self._line.call(
-                lambda s: _slot_query(cap, n, k, s), seconds, got=got, recover=recover)
+            generation = await self._line.call(build, seconds, got=got, recover=recover)
         except _Unreachable as e:
             log.warning("stage_e_slot: treating as throttled (cap %r), cannot reach the "
                         "database: %s", cap, e)
@@ -100,6 +104,13 @@ class AsyncSlotConnection:
                       "slot: %s", cap, e)
             return None, -1
         return taken, generation
+
+    def _waits_for_itself(self, cap: str, n: int, k: int) -> bool:
+        """Whether the slots this connection holds leave fewer than ``k`` of ``[0, n)`` that
+        another session's release could free: then only this connection can serve the call (the
+        server answers such a wait at once, as throttled)."""
+        mine = sum(1 for s in self._held.get(cap, ()) if s < n)
+        return mine > 0 and n - mine < k
 
     async def _release_unknown(self, conn: AsyncConn, cap: str, why: str) -> None:
         """Releases this session's slots of `cap` that no region holds: taken by `why`."""
@@ -142,6 +153,7 @@ class AsyncSlotConnection:
                               slot, cap)
                     return False
                 self._held.get(cap, set()).discard(slot)
+                line.note_release()
                 try:
                     row = await _fetch(conn, "SELECT stage_e_release(%s, %s)", (cap, slot))
                 except BaseException as e:  # any failure: drop the session, which frees it

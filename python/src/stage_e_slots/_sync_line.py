@@ -146,18 +146,25 @@ class _Line:
                     raise _Unreachable(str(e)) from e
                 raise
 
-    def call(self, build: Callable[[float], tuple[str, tuple[object, ...]]], wait: float,
+    def note_release(self) -> None:
+        """A release ran on this connection (the asyncio line wakes a waiting call with it; a
+        thread's connection has no other call to wake)."""
+
+    def call(self, build: Callable[[float], tuple[str, tuple[object, ...]] | None], wait: float,
              *, got: Callable[[Row | None], bool],
              recover: Callable[[Conn, str], None]) -> int:
         """Runs ``build(wait)``, a statement that waits up to ``wait`` seconds in the server;
-        ``got(row)`` is called with its row. ``recover(conn, why)`` gives back what the server
+        ``got(row)`` is called with its row. ``build`` returns None for a wait that only this
+        connection's own release could end: nothing else runs on a thread's connection while
+        it waits, so it is sent as a try (``build(0)``), answered at once. ``recover(conn, why)`` gives back what the server
         may have handed out to a statement whose answer was lost (a cancel or a
         statement_timeout landing just then): the session is kept, it may hold the thread's
         other slots. Returns the connection's generation. Raises _Unreachable when the database
         cannot be reached (the connection is dropped), and the server's other errors."""
         with self.turn(connect=True) as turn:
             conn = turn.connection
-            query, params = build(max(0.0, wait))
+            built = build(max(0.0, wait))
+            query, params = built if built is not None else _must(build(0.0))
             try:
                 row = _fetch(conn, query, params)
             except psycopg.Error as e:
@@ -169,6 +176,12 @@ class _Line:
                 raise
             got(row)
             return self.generation
+
+
+def _must(built: tuple[str, tuple[object, ...]] | None) -> tuple[str, tuple[object, ...]]:
+    if built is None:
+        raise RuntimeError("stage_e_slots: no statement for a call without a wait (a bug)")
+    return built
 
 
 class _Connections:

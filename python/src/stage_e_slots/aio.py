@@ -40,7 +40,10 @@ request, answered by the server with ``QueryCanceled`` and no slot; a slot it ha
 is kept), that call runs, and the head waits again for what is left of its wait. The other
 waiting calls of the loop never interrupt it: they queue in arrival order, in the client, to
 be the head (whatever their cap), and one whose wait passes before its turn comes tries once
-without waiting (a slot free just then is taken). So, as with the sync API, each waiting call
+without waiting (a slot free just then is taken). A head whose cap's slots are all held by
+its own connection (so that only a release of this loop can serve it; the server would answer
+that wait at once, as the session would wait for itself) sends no wait: it waits in the client
+for a release on the connection, then asks again. So, as with the sync API, each waiting call
 that ends without a slot counts exactly one ``throttled``, and one that gets a slot none. The
 price:
 
