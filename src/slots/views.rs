@@ -126,7 +126,7 @@ fn live(by_key: &HashMap<i32, (String, Option<Cap>)>) -> Vec<(i32, &Cap)> {
 }
 
 /// `stage_e_stats()`: one row per cap in use in the current database, counted since the cap
-/// was created (server start, or its reclaim); `held` is its slots locked in the lock manager
+/// was created (server start, or its reclaim) or its database's extension was last dropped; `held` is its slots locked in the lock manager
 /// plus its live leases, read as one reading (`holders_now`), so never a holder twice.
 pub fn stats() -> Result<Vec<CapStats>, SlotError> {
     attached()?;
@@ -138,13 +138,16 @@ pub fn stats() -> Result<Vec<CapStats>, SlotError> {
             let cap = cap?;
             let held = granted.iter().filter(|g| g.key == key).count()
                 + leases.iter().filter(|l| l.0 == key).count();
+            // Counts and histograms as one read of the flush seqlock: a restart (`DROP
+            // EXTENSION`) shows whole.
+            let counted = cap.flush_state();
             Some(CapStats {
                 cap: name,
                 key,
                 held: held as u32,
                 n: cap.latest_n(),
-                counts: cap.counters().load(),
-                hist: cap.histograms(),
+                counts: counted.counters,
+                hist: counted.hist,
             })
         })
         .collect();
