@@ -81,3 +81,18 @@ def test_a_slot_passing_between_a_session_and_a_lease_shows_once(connect):
     assert not failures, failures
     # The slot did pass around while polled: held by a session, by a lease, and by none.
     assert polls > 500 and {(1, 0), (1, 1), (0, 0)} <= seen, (polls, seen)
+
+
+def test_a_raw_lock_on_a_leased_slot_still_shows_twice(connect):
+    """The views read the two kinds of holder as one reading, they do not merge rows: a raw
+    pg_advisory_lock taken on a leased slot is a real double admission, and shows as one."""
+    owner, raw, viewer = connect("raw-lease"), connect("raw-lock"), connect("raw-view")
+    slot, token = lease(owner, "raw", 1, "1 min", "10 s")
+    assert slot == 0
+    assert one(raw, "SELECT pg_try_advisory_lock(stage_e_cap_key('raw'), 0)") is True
+    rows = viewer.execute("SELECT slot, pid, token FROM stage_e_slot_holders WHERE cap = 'raw' "
+                          "ORDER BY token NULLS FIRST").fetchall()
+    pids = [one(c, "SELECT pg_backend_pid()") for c in (raw, owner)]
+    assert rows == [(0, pids[0], None), (0, pids[1], token)], rows
+    assert one(viewer, "SELECT held FROM stage_e_stats() WHERE cap = 'raw'") == 2
+    assert release_lease(owner, "raw", slot, token) is True
