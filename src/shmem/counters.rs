@@ -14,9 +14,10 @@
 //! reclaimed, so the role needs no pin.
 //!
 //! **Restart.** When its database's extension is dropped, a cap's counts and histograms restart
-//! at zero with their pending counts unchanged (`stage_e_core::flush`, "Restart"), made by the
+//! at zero, their pending counts with them (`stage_e_core::flush`, "Restart"), made by the
 //! holder of the role: the dropping backend if the role is free, else the process holding it,
-//! as it gives the role back ([`CapEntry::end_flush`], the one way the role is given back).
+//! as it gives the role back ([`CapEntry::end_flush`], the one way the role is given back):
+//! nothing counted before the drop reaches the new extension's table.
 
 use super::entry::CapEntry;
 use super::Cap;
@@ -98,9 +99,9 @@ impl Cap {
         self.entry().flush_state()
     }
 
-    /// The cap's counts and histograms (what `stage_e_stats()` shows) restart at zero, its
-    /// pending counts unchanged: now if no process holds the flusher role, else as its holder
-    /// gives the role back. `pid` is this process's.
+    /// The cap's counts and histograms (what `stage_e_stats()` shows) restart at zero, and
+    /// its pending counts with them: now if no process holds the flusher role, else as its
+    /// holder gives the role back. `pid` is this process's.
     pub fn restart_counts(&self, pid: i32) {
         let e = self.entry();
         if e.flush.ask_restart(pid) {

@@ -8,8 +8,9 @@
 //! **Durability.** `base` is what the counts were at the cap's last committed flush, less what
 //! the pending file carried in at start: the pending counts are `counts - base` (wrapping, as
 //! the counts are monotonic but for a restart). Only the holder of the cap's flusher role
-//! (`counters`) moves `base`, when its flush commits or the counts restart (then the counts and
-//! the base go down together, inside the flush seqlock's write, so the pending counts stay);
+//! (`counters`) moves `base`, when its flush commits or the counts restart (inside the flush
+//! seqlock's write: the counts lose what was read of them, the base goes to zero, so only
+//! what is observed after is pending);
 //! otherwise only the postmaster at start (the carry) and a reclaim (under the exclusive
 //! directory lock, no pin) write it. So it needs no seqlock of its own. No
 //! reader adds these counts to table rows (the totals view does that for the counters only), so
@@ -51,13 +52,12 @@ impl Histograms {
     }
 
     /// Holding the flusher role, inside the flush seqlock's write: each count loses the value
-    /// read of it (an observation made meanwhile stays) and the base as much, so the pending
-    /// counts stay what they were (`stage_e_core::flush`, "Restart").
+    /// read of it (an observation made meanwhile stays, and is all that is pending after) and
+    /// the base goes to zero (`stage_e_core::flush`, "Restart").
     pub(super) fn restart(&self) {
         for (c, b) in self.counts.iter().zip(&self.base) {
-            let v = c.load(Ordering::Relaxed);
-            c.fetch_sub(v, Ordering::Relaxed);
-            b.store(b.load(Ordering::Relaxed).wrapping_sub(v), Ordering::Relaxed);
+            c.fetch_sub(c.load(Ordering::Relaxed), Ordering::Relaxed);
+            b.store(0, Ordering::Relaxed);
         }
     }
 

@@ -647,9 +647,14 @@ pub fn end_database() {
     for cap in shmem::caps(Some(session::database())) {
         leases += cap.expire_leases(i64::MAX).len();
         cap.forget_horizon();
-        cap.restart_counts(session::pid());
     }
     let (pending, _) = crate::flush::discard_pending(session::database());
+    // Counted by the LOG line below first. A cap whose flush holds its role (waiting for this
+    // drop's lock on the table, and bound to fail) is restarted, its pending counts dropped,
+    // as that flush gives the role back.
+    for cap in shmem::caps(Some(session::database())) {
+        cap.restart_counts(session::pid());
+    }
     if leases + pending > 0 {
         crate::report::log(format!(
             "stage_e_slots: the extension was dropped from database {}: freed {leases} \

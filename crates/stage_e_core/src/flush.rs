@@ -38,12 +38,14 @@
 //! - The opening increment itself may be Relaxed for the model's sake (one writer at a time:
 //!   the flusher role is the writers' lock); it stays AcqRel as the extension had it.
 //!
-//! **Restart.** The counts a cap shows can start again from zero (`DROP EXTENSION` then `CREATE
-//! EXTENSION`: the new extension's statistics start clean) while the cap lives on, its slots
-//! held. The holder of the role makes it in one seqlock write ([`FlushBook::restart`]): it
-//! subtracts from each hot counter the value it reads (an RMW, so a bump made meanwhile stays),
-//! and `flushed` moves down by as much (wrapping), so `counters - flushed`, hence every pending
-//! count, is what it was: the flush arithmetic never sees a restart. A process that asks for a
+//! **Restart.** A cap's counts, and with them its pending counts, can start again from zero
+//! (`DROP EXTENSION`: the table they were flushed into is gone, and the new extension's
+//! statistics and table start clean) while the cap lives on, its slots held. The holder of the
+//! role makes it in one seqlock write ([`FlushBook::restart`]): it subtracts from each hot
+//! counter the value it reads (an RMW, so a bump made meanwhile stays, and is all that is
+//! pending after), and zeroes the rest of the book (`flushed`, `carried`, the settled flush:
+//! none is in flight when the role is given back), so `counters - flushed` never goes below
+//! zero and no count of before reaches a table. A process that asks for a
 //! restart while another holds the role leaves the request ([`FlushBook::ask_restart`]: store
 //! the request, then try the role) for the holder, who looks for one after giving the role back
 //! ([`FlushBook::end`]: release, then load the request) and takes the role again to make it. A
@@ -350,25 +352,29 @@ impl<const N: usize> FlushBook<N> {
             .is_ok()
     }
 
-    /// Holding the role: makes the restart asked for, if one still is (false if none). In one
-    /// seqlock write, each hot counter of `counts` loses the value read of it (a bump made
-    /// meanwhile stays) and `flushed` as much, so no pending count changes; `also` runs inside
-    /// the same write (the extension restarts its histograms there likewise).
-    pub fn restart(&self, counts: &Counters<N>, also: impl FnOnce()) -> bool {
+    /// Holding the role, with no flush in flight (a flush's commit or abort settled it): makes
+    /// the restart asked for, if one still is, and returns the pending counts it dropped (None
+    /// if none was asked for). In one seqlock write, each hot counter of `counts` loses the
+    /// value read of it (a bump made meanwhile stays: pending from now on) and the book goes
+    /// back to zero; `also` runs inside the same write (the extension restarts its histograms
+    /// there likewise).
+    pub fn restart(&self, counts: &Counters<N>, also: impl FnOnce()) -> Option<[u64; N]> {
         if self.restart.swap(0, Ordering::AcqRel) == 0 {
-            return false;
+            return None;
         }
-        self.version.write(|| {
+        Some(self.version.write(|| {
             let now = counts.values();
-            let flushed = self.flushed.values();
+            let (carried, flushed) = (self.carried.values(), self.flushed.values());
             for (c, v) in counts.0.iter().zip(now) {
                 c.fetch_sub(v, Ordering::Relaxed);
             }
-            self.flushed
-                .set(std::array::from_fn(|i| flushed[i].wrapping_sub(now[i])));
+            for a in [&self.carried, &self.flushed, &self.inflight] {
+                a.set([0; N]);
+            }
+            self.settled_id.store(0, Ordering::Relaxed);
             also();
-        });
-        true
+            std::array::from_fn(|i| carried[i].wrapping_add(now[i]).wrapping_sub(flushed[i]))
+        }))
     }
 
     /// Whether a restart is asked for and not yet made.
@@ -435,9 +441,13 @@ mod unit {
     }
 
     #[test]
-    fn a_restart_zeroes_the_counts_and_keeps_what_is_pending() {
+    fn a_restart_zeroes_the_counts_and_drops_what_is_pending() {
         let (counts, book) = (Counters::default(), FlushBook::default());
         counts.bump(Counter::Acquired, 5);
+        book.carry(CounterValues {
+            acquired: 4,
+            ..Default::default()
+        });
         assert!(book.begin(7));
         let read = book.read(&counts, no_hist);
         book.set_inflight(1, read.pending(None));
@@ -446,31 +456,36 @@ mod unit {
         counts.bump(Counter::Acquired, 2);
         // Asked with the role free: the asker makes it at once.
         assert!(book.ask_restart(9));
-        assert!(book.restart(&counts, || {}));
+        assert_eq!(book.restart(&counts, || {}).map(|d| d[0]), Some(2));
         assert!(!book.end());
         let s = book.read(&counts, no_hist);
-        assert_eq!((s.counters.acquired, s.pending(None).acquired), (0, 2));
+        assert_eq!((s.counters.acquired, s.pending(None).acquired), (0, 0));
+        assert_eq!(
+            s.pending(Some(0)).acquired,
+            0,
+            "no settled flush is added back"
+        );
         // Asked while a flush holds the role: its holder makes it as it gives the role back.
         counts.bump(Counter::Acquired, 3);
         assert!(book.begin(7));
         assert!(!book.ask_restart(9));
         assert!(book.restart_asked());
         assert!(book.end(), "the holder takes the role back to restart");
-        assert!(book.restart(&counts, || {}));
-        assert!(!book.restart(&counts, || {}), "made once");
+        assert_eq!(book.restart(&counts, || {}).map(|d| d[0]), Some(3));
+        assert_eq!(book.restart(&counts, || {}), None, "made once");
         assert!(!book.end());
-        let s = book.read(&counts, no_hist);
-        assert_eq!((s.counters.acquired, s.pending(None).acquired), (0, 5));
-        // A flush then moves exactly what was pending, and counting goes on from zero.
+        // Counting goes on from zero, and a flush moves exactly that.
+        counts.bump(Counter::Acquired, 1);
         assert!(book.begin(7));
         let read = book.read(&counts, no_hist);
-        assert_eq!(read.pending(None).acquired, 5);
+        assert_eq!(
+            (read.counters.acquired, read.pending(None).acquired),
+            (1, 1)
+        );
         book.set_inflight(2, read.pending(None));
         book.commit(&read);
         assert!(!book.end());
-        counts.bump(Counter::Acquired, 1);
-        let s = book.read(&counts, no_hist);
-        assert_eq!((s.counters.acquired, s.pending(None).acquired), (1, 1));
+        assert!(book.read(&counts, no_hist).pending(None).is_zero());
     }
 
     /// A writer writes (i, i) pairs as fast as it can; readers must never see two different
@@ -592,24 +607,33 @@ mod unit {
         assert_eq!(total(&cap, &table), Some(2 * BUMPS));
     }
 
-    /// Gives the role back, making every restart asked for meanwhile; how many it made.
-    fn end_restarting(cap: &(Counters, FlushBook)) -> u64 {
-        let mut made = 0;
+    /// Gives the role back, making every restart asked for meanwhile; how many it made, and
+    /// the counts they dropped.
+    fn end_restarting(cap: &(Counters, FlushBook)) -> (u64, u64) {
+        let (mut made, mut dropped) = (0, 0);
         while cap.1.end() {
-            made += cap.1.restart(&cap.0, || {}) as u64;
+            if let Some(d) = cap.1.restart(&cap.0, || {}) {
+                made += 1;
+                dropped += d[0];
+            }
         }
-        made
+        (made, dropped)
     }
 
     /// Bumpers count and flushers flush (some flushes abort) while an asker asks for restarts
-    /// again and again: no request is left unmade once all stop, and the table plus pending is
-    /// exactly what was counted (a restart moves no count in or out of pending).
+    /// again and again: no request is left unmade once all stop, and every count is in exactly
+    /// one of the table, pending, or what a restart dropped.
     #[test]
-    fn restarts_asked_while_flushing_are_all_made_and_move_no_count_with_threads() {
+    fn restarts_asked_while_flushing_are_all_made_and_lose_no_count_with_threads() {
         const BUMPS: u64 = 20_000;
         let cap = Arc::new((Counters::default(), FlushBook::default()));
         let table = Arc::new(AtomicU64::new(0));
-        let made = Arc::new(AtomicU64::new(0));
+        // Restarts made, and the counts they dropped.
+        let made = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+        let note = |made: &(AtomicU64, AtomicU64), (m, d): (u64, u64)| {
+            made.0.fetch_add(m, Ordering::Relaxed);
+            made.1.fetch_add(d, Ordering::Relaxed);
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let bumpers: Vec<_> = (0..2)
             .map(|_| {
@@ -641,7 +665,7 @@ mod unit {
                             table.fetch_add(delta.acquired, Ordering::Relaxed);
                             cap.1.commit(&read);
                         }
-                        made.fetch_add(end_restarting(&cap), Ordering::Relaxed);
+                        note(&made, end_restarting(&cap));
                     }
                 })
             })
@@ -651,8 +675,10 @@ mod unit {
             std::thread::spawn(move || {
                 for _ in 0..2_000 {
                     if cap.1.ask_restart(9) {
-                        let now = cap.1.restart(&cap.0, || {}) as u64;
-                        made.fetch_add(now + end_restarting(&cap), Ordering::Relaxed);
+                        if let Some(d) = cap.1.restart(&cap.0, || {}) {
+                            note(&made, (1, d[0]));
+                        }
+                        note(&made, end_restarting(&cap));
                     }
                     std::thread::yield_now();
                 }
@@ -670,10 +696,12 @@ mod unit {
             !cap.1.restart_asked(),
             "a restart was asked for and never made"
         );
-        assert!(made.load(Ordering::Relaxed) > 0);
+        assert!(made.0.load(Ordering::Relaxed) > 0);
         let s = cap.1.read(&cap.0, no_hist);
         assert_eq!(
-            table.load(Ordering::Relaxed) + s.pending(None).acquired,
+            table.load(Ordering::Relaxed)
+                + s.pending(None).acquired
+                + made.1.load(Ordering::Relaxed),
             2 * BUMPS
         );
     }
@@ -731,6 +759,8 @@ mod model {
         book: FlushBook<1>,
         table: AtomicU64,
         ids: AtomicU64,
+        /// Counts dropped by restarts.
+        dropped: AtomicU64,
     }
 
     /// One flush as the extension runs it (`flush::run`, `session::settle_flush`): take the
@@ -759,7 +789,14 @@ mod model {
     /// Gives the role back, making every restart asked for meanwhile.
     fn end_restarting(c: &Cap) {
         while c.book.end() {
-            c.book.restart(&c.counts, || ());
+            restart(c);
+        }
+    }
+
+    /// Holding the role: makes the restart asked for, if one still is, noting what it dropped.
+    fn restart(c: &Cap) {
+        if let Some(d) = c.book.restart(&c.counts, || ()) {
+            c.dropped.fetch_add(d[0], Ordering::Relaxed);
         }
     }
 
@@ -792,7 +829,7 @@ mod model {
 
     /// A restart asked for while a flush may hold the role is made, once: by the asker if it
     /// takes the role, else by the flush as it gives the role back. The count made before it
-    /// is gone from the counters, and still in the table or pending.
+    /// is gone from the counters, and in exactly one of the table and what the restart dropped.
     #[test]
     fn a_restart_asked_during_a_flush_is_made() {
         crate::sync::model(|| {
@@ -804,13 +841,17 @@ mod model {
             };
             if c.book.ask_restart(2) {
                 // The flush may have made it already, between the request and the role.
-                c.book.restart(&c.counts, || ());
+                restart(&c);
                 end_restarting(&c);
             }
             flusher.join().unwrap();
             assert!(!c.book.restart_asked(), "the request was lost");
             assert_eq!(c.counts.values(), [0]);
-            assert_eq!(total(&c), Some(1));
+            let (table, dropped) = (
+                c.table.load(Ordering::Relaxed) >> 32,
+                c.dropped.load(Ordering::Relaxed),
+            );
+            assert_eq!(total(&c).map(|t| t + dropped), Some(1), "table {table}");
         });
     }
 
