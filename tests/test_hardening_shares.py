@@ -291,6 +291,77 @@ def test_drop_extension_ends_its_caps(ec):
     conn.close()
 
 
+def cap_stats(conn, cap):
+    """(held, acquired, throttled, released, histogram observations) of the cap."""
+    return conn.execute(
+        "SELECT s.held, s.acquired, s.throttled, s.released, "
+        "(SELECT sum(h.seconds_count)::int FROM stage_e_histograms() AS h WHERE h.cap = s.cap) "
+        "FROM stage_e_stats() AS s WHERE s.cap = %s", (cap,)).fetchone()
+
+
+def test_drop_and_create_extension_restarts_its_stats(ec):
+    """After DROP EXTENSION and CREATE EXTENSION the table started clean but stage_e_stats()
+    kept the old counts. Now the drop's commit restarts the counts and histograms of the
+    database's caps at zero, also of a cap whose flush holds its role then (blocked on the
+    drop's lock: it restarts them as it gives the role back, and drops its pending counts, which
+    reached the new table before). A slot held across the drop stays held and its cap enforced;
+    another database's counts stay."""
+    ec.create_database("restart")
+    ec.create_database("restart_other")
+    conn, holder, other = (connect(ec, d) for d in ("restart", "restart", "restart_other"))
+    assert one(holder, "SELECT stage_e_try_slot('kept', 1)") == 0
+    for _ in range(3):
+        assert one(conn, "SELECT stage_e_try_slot('kept', 1)") is None
+        for c in (conn, other):
+            assert one(c, "SELECT stage_e_release('used', stage_e_try_slot('used', 2))") is True
+    assert cap_stats(conn, "kept") == (1, 1, 3, 0, 0)
+    assert cap_stats(conn, "used") == (0, 3, 0, 3, 3)
+    assert cap_stats(other, "used") == (0, 3, 0, 3, 3)
+
+    conn.execute("DROP EXTENSION stage_e_slots")
+    conn.execute("CREATE EXTENSION stage_e_slots")
+    assert cap_stats(conn, "kept") == (1, 0, 0, 0, 0)
+    assert cap_stats(conn, "used") == (0, 0, 0, 0, 0)
+    assert cap_stats(other, "used") == (0, 3, 0, 3, 3), "another database's counts stay"
+    # The slot held across the drop is still its session's, and the cap still enforced.
+    assert one(conn, "SELECT stage_e_try_slot('kept', 1)") is None
+    assert cap_stats(conn, "kept") == (1, 0, 1, 0, 0)
+    conn.execute("SELECT stage_e_flush()")
+    assert counter_row(conn, "kept") == (0, 1)
+
+    # A flush takes the role of 'kept' (a throttle pending) and waits for the drop's lock on
+    # the table; the drop commits with the role taken, and the flush fails.
+    assert one(conn, "SELECT stage_e_try_slot('kept', 1)") is None
+    conn.execute("BEGIN")
+    conn.execute("DROP EXTENSION stage_e_slots")
+    flusher = ec.connect("restart", application_name="restart-flusher")
+    failed = []
+
+    def flush():
+        try:
+            flusher.execute("SELECT stage_e_flush()")
+        except psycopg.Error as e:
+            failed.append(e)
+
+    t = threading.Thread(target=flush)
+    t.start()
+    wait_for(lambda: one(holder, "SELECT wait_event_type FROM pg_stat_activity "
+                                 "WHERE application_name = 'restart-flusher'") == "Lock",
+             timeout=10, what="the flush to wait for the drop's lock")
+    conn.execute("COMMIT")
+    t.join(10)
+    assert not t.is_alive() and failed, "the flush of a dropped table fails"
+    conn.execute("CREATE EXTENSION stage_e_slots")
+    assert cap_stats(conn, "kept") == (1, 0, 0, 0, 0)
+    conn.execute("SELECT stage_e_flush()")
+    assert counter_row(conn, "kept") in (None, (0, 0)), "a count of before the drop"
+    assert one(conn, "SELECT stage_e_try_slot('kept', 1)") is None
+    assert one(holder, "SELECT stage_e_release('kept', 0)") is True
+    assert cap_stats(conn, "kept")[:4] == (0, 0, 1, 1)
+    for c in (conn, holder, other, flusher):
+        c.close()
+
+
 # -- no call waits on another database's cap ---------------------------------------------------
 
 # x86_64 syscall numbers of a sleep: select, nanosleep, clock_nanosleep, pselect6.

@@ -12,6 +12,12 @@
 //! only places the book in the entry and adds the histograms, which are not under the seqlock
 //! (only the flusher moves their base: `histograms`). A cap whose role is held is never
 //! reclaimed, so the role needs no pin.
+//!
+//! **Restart.** When its database's extension is dropped, a cap's counts and histograms restart
+//! at zero, their pending counts with them (`stage_e_core::flush`, "Restart"), made by the
+//! holder of the role: the dropping backend if the role is free, else the process holding it,
+//! as it gives the role back ([`CapEntry::end_flush`], the one way the role is given back):
+//! nothing counted before the drop reaches the new extension's table.
 
 use super::entry::CapEntry;
 use super::Cap;
@@ -36,6 +42,14 @@ impl CapEntry {
     /// Counts not yet in the table.
     pub(super) fn pending(&self) -> CounterValues {
         self.flush_state().pending(None)
+    }
+
+    /// Gives the flusher role back, making any restart asked for meanwhile first.
+    fn end_flush(&self) {
+        while self.flush.end() {
+            self.flush
+                .restart(&self.counters.counts, || self.hist.restart());
+        }
     }
 
     /// Under the exclusive directory lock, reclaiming: every count back to zero.
@@ -64,7 +78,7 @@ impl Flushed {
         let e = self.0;
         e.flush.commit(read);
         e.hist.advance(read.pending_hist());
-        e.flush.end();
+        e.end_flush();
     }
 
     /// The flush's transaction (or subtransaction) aborted: its delta is still pending.
@@ -72,7 +86,7 @@ impl Flushed {
     pub fn abort(&self) {
         let e = self.0;
         e.flush.abort();
-        e.flush.end();
+        e.end_flush();
     }
 }
 
@@ -83,6 +97,17 @@ impl Cap {
 
     pub fn flush_state(&self) -> FlushState {
         self.entry().flush_state()
+    }
+
+    /// The cap's counts and histograms (what `stage_e_stats()` shows) restart at zero, and
+    /// its pending counts with them: now if no process holds the flusher role, else as its
+    /// holder gives the role back. `pid` is this process's.
+    pub fn restart_counts(&self, pid: i32) {
+        let e = self.entry();
+        if e.flush.ask_restart(pid) {
+            e.flush.restart(&e.counters.counts, || e.hist.restart());
+            e.end_flush();
+        }
     }
 
     /// Makes `pid` this cap's only flusher and returns the role; None if another flush is in

@@ -39,7 +39,9 @@ pub fn sample_load(now_us: i64) {
             continue;
         }
         let dt = (now_us - last_us) as f64 / 1e6;
-        let rate = load::per_minute(throttled.wrapping_sub(last_throttled), dt);
+        // The counts restarted (`counters`) since the last sample: those since the restart.
+        let new = throttled.checked_sub(last_throttled).unwrap_or(throttled);
+        let rate = load::per_minute(new, dt);
         e.load_held.sample(held as f64, dt);
         e.load_throttles.sample(rate, dt);
     }

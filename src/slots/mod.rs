@@ -651,10 +651,12 @@ pub fn expire_leases_everywhere() -> usize {
 
 /// `DROP EXTENSION stage_e_slots` committed in this database: its caps end. Leases are freed
 /// (their functions are gone, so nobody could renew or release them), pending counts are
-/// dropped (their table is gone), and each cap's committed horizon is forgotten, so that a
-/// re-created extension's first lease waits for a row in its own, new table. Session slots stay
+/// dropped (their table is gone), each cap's committed horizon is forgotten, so that a
+/// re-created extension's first lease waits for a row in its own, new table, and its counts
+/// restart at zero, so that the new extension's `stage_e_stats()` starts clean like its table
+/// (after the policies end: no adaptive window spans the restart). Session slots stay
 /// with their sessions: they are the lock manager's locks, which a re-created extension sees
-/// as taken until their sessions release them or end.
+/// as taken until their sessions release them or end; the caps keep their keys and slots.
 pub fn end_database() {
     limits::end_database(session::database());
     let mut leases = 0;
@@ -663,6 +665,12 @@ pub fn end_database() {
         cap.forget_horizon();
     }
     let (pending, _) = crate::flush::discard_pending(session::database());
+    // Counted by the LOG line below first. A cap whose flush holds its role (waiting for this
+    // drop's lock on the table, and bound to fail) is restarted, its pending counts dropped,
+    // as that flush gives the role back.
+    for cap in shmem::caps(Some(session::database())) {
+        cap.restart_counts(session::pid());
+    }
     if leases + pending > 0 {
         crate::report::log(format!(
             "stage_e_slots: the extension was dropped from database {}: freed {leases} \

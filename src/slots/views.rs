@@ -1,6 +1,24 @@
 //! What the views and statistics functions read: per cap of the current database, its counts
 //! and holders (the lock manager's granted locks joined with the extension's records and
 //! leases), its hold, its waiters and its load. Read-only: nothing here takes, frees or counts.
+//!
+//! **One holder, one row.** A slot's holders live in two places: a session slot is a lock in the
+//! lock manager, a lease is a record in shared memory. A slot passes from one to the other in a
+//! fixed order: a session's release unlocks, then clears the slot's bit; a lease grant claims
+//! the bit, probes the lock (lock, unlock), and only then starts its record; a lease's end
+//! (under its record's lock) clears the bit, and a session takes the slot by claiming the bit,
+//! then locking. So no instant has one slot both locked by a session through the extension and
+//! leased; only a raw `pg_advisory_lock` on a leased slot (a real double admission) is both.
+//! But `pg_locks` and the lease records cannot be read at one instant, and reading one then the
+//! other counted a slot that passed between them in between twice (held > n, two rows).
+//! So [`holders_now`] reads the leases, then the lock manager (one snapshot under every lock
+//! partition, at an instant T), then the leases again, and keeps only the leases read live in
+//! both reads (same cap, slot and token). A token names one acquisition and a lease never comes
+//! back once ended, so such a lease was live from the first read to the second, hence at T: its
+//! slot and the locks of T were truly held together. A lease that started or ended meanwhile is
+//! left out of this reading (reads are retried while the two lease reads differ, at most
+//! [`READS`] times), so a reading may miss a lease that came or went during it, never count a
+//! holder twice.
 
 use super::{admission, attached, SlotError};
 use crate::gucs;
@@ -56,23 +74,80 @@ fn caps_by_key() -> HashMap<i32, (String, Option<Cap>)> {
     by_key
 }
 
+/// How many times [`holders_now`] reads at most before it keeps what two reads agree on.
+const READS: usize = 8;
+
+/// A lease as one reading saw it: its cap's lock key and the lease.
+type KeyedLease = (i32, shmem::LeaseInfo);
+
+/// The live leases of `caps` (pinned, with their lock keys), in cap and slot order.
+fn leases_of(caps: &[(i32, &Cap)]) -> Vec<KeyedLease> {
+    caps.iter()
+        .flat_map(|&(key, cap)| cap.leases().into_iter().map(move |l| (key, l)))
+        .collect()
+}
+
+/// One lease, as the two reads compare them: cap, slot, token (a renewal changes its expiry,
+/// not who holds the slot).
+fn same_lease(a: &KeyedLease, b: &KeyedLease) -> bool {
+    (a.0, a.1.slot, a.1.token) == (b.0, b.1.slot, b.1.token)
+}
+
+/// The granted slot locks of the current database at one instant, and the leases of `caps`
+/// live throughout a span that contains that instant: a slot passing between a session and a
+/// lease during the reading is not seen twice (the module note).
+fn holders_now(caps: &[(i32, &Cap)]) -> (Vec<locks::Granted>, Vec<KeyedLease>) {
+    let max_slots = gucs::max_slots();
+    let mut before = leases_of(caps);
+    let mut reads = 1;
+    loop {
+        let granted = locks::granted(max_slots);
+        let after = leases_of(caps);
+        reads += 1;
+        let agree =
+            before.len() == after.len() && before.iter().zip(&after).all(|(a, b)| same_lease(a, b));
+        if agree || reads >= READS {
+            let kept = after
+                .into_iter()
+                .filter(|l| before.iter().any(|b| same_lease(b, l)))
+                .collect();
+            return (granted, kept);
+        }
+        before = after;
+    }
+}
+
+/// The pinned caps of `by_key`, with their keys.
+fn live(by_key: &HashMap<i32, (String, Option<Cap>)>) -> Vec<(i32, &Cap)> {
+    by_key
+        .iter()
+        .filter_map(|(&key, (_, cap))| Some((key, cap.as_ref()?)))
+        .collect()
+}
+
 /// `stage_e_stats()`: one row per cap in use in the current database, counted since the cap
-/// was created (server start, or its reclaim); `held` comes from the lock manager, plus the
-/// cap's live leases.
+/// was created (server start, or its reclaim) or its database's extension was last dropped; `held` is its slots locked in the lock manager
+/// plus its live leases, read as one reading (`holders_now`), so never a holder twice.
 pub fn stats() -> Result<Vec<CapStats>, SlotError> {
     attached()?;
-    let granted = locks::granted(gucs::max_slots());
-    let mut out: Vec<CapStats> = caps_by_key()
+    let by_key = caps_by_key();
+    let (granted, leases) = holders_now(&live(&by_key));
+    let mut out: Vec<CapStats> = by_key
         .into_iter()
         .filter_map(|(key, (name, cap))| {
             let cap = cap?;
+            let held = granted.iter().filter(|g| g.key == key).count()
+                + leases.iter().filter(|l| l.0 == key).count();
+            // Counts and histograms as one read of the flush seqlock: a restart (`DROP
+            // EXTENSION`) shows whole.
+            let counted = cap.flush_state();
             Some(CapStats {
                 cap: name,
                 key,
-                held: granted.iter().filter(|g| g.key == key).count() as u32 + cap.lease_count(),
+                held: held as u32,
                 n: cap.latest_n(),
-                counts: cap.counters().load(),
-                hist: cap.histograms(),
+                counts: counted.counters,
+                hist: counted.hist,
             })
         })
         .collect();
@@ -81,11 +156,13 @@ pub fn stats() -> Result<Vec<CapStats>, SlotError> {
 }
 
 /// Held slots of the current database per the lock manager (caps this server knows by name,
-/// and `default`), with the acquisition time where the extension recorded it; and leases.
+/// and `default`), with the acquisition time where the extension recorded it; and leases. One
+/// reading (`holders_now`): a slot passing between a session and a lease shows once.
 pub fn holders() -> Result<Vec<Holder>, SlotError> {
     attached()?;
     let by_key = caps_by_key();
-    let mut out: Vec<Holder> = locks::granted(gucs::max_slots())
+    let (granted, leases) = holders_now(&live(&by_key));
+    let mut out: Vec<Holder> = granted
         .into_iter()
         .filter_map(|g| {
             let (name, cap) = by_key.get(&g.key)?;
@@ -105,9 +182,9 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
             })
         })
         .collect();
-    for (name, cap) in by_key.values() {
-        let Some(cap) = cap else { continue };
-        out.extend(cap.leases().into_iter().map(|l| Holder {
+    out.extend(leases.into_iter().filter_map(|(key, l)| {
+        let (name, _) = by_key.get(&key)?;
+        Some(Holder {
             cap: name.clone(),
             slot: l.slot,
             pid: l.pid,
@@ -115,8 +192,8 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
             // Another role's token is a key to its slot: shown only to who may see it.
             token: session::may_see_token_of(l.owner).then_some(l.token),
             expires_at: Some(l.expires_at),
-        }));
-    }
+        })
+    }));
     out.sort_by(|a, b| (&a.cap, a.slot).cmp(&(&b.cap, b.slot)));
     Ok(out)
 }

@@ -37,10 +37,25 @@
 //!   left out, and x86 hides it only because its locked RMW is a full barrier.
 //! - The opening increment itself may be Relaxed for the model's sake (one writer at a time:
 //!   the flusher role is the writers' lock); it stays AcqRel as the extension had it.
+//!
+//! **Restart.** A cap's counts, and with them its pending counts, can start again from zero
+//! (`DROP EXTENSION`: the table they were flushed into is gone, and the new extension's
+//! statistics and table start clean) while the cap lives on, its slots held. The holder of the
+//! role makes it in one seqlock write ([`FlushBook::restart`]): it subtracts from each hot
+//! counter the value it reads (an RMW, so a bump made meanwhile stays, and is all that is
+//! pending after), and zeroes the rest of the book (`flushed`, `carried`, the settled flush:
+//! none is in flight when the role is given back), so `counters - flushed` never goes below
+//! zero and no count of before reaches a table. A process that asks for a
+//! restart while another holds the role leaves the request ([`FlushBook::ask_restart`]: store
+//! the request, then try the role) for the holder, who looks for one after giving the role back
+//! ([`FlushBook::end`]: release, then load the request) and takes the role again to make it. A
+//! Dekker pair (SeqCst, `seqcst_pair`): either the asker takes the role, or the process whose
+//! role made its attempt fail sees the request; a request is consumed (swapped to 0) under the
+//! role, so it is made once.
 
 use crate::counters::{Counter, CounterValues, FlushState, COUNT};
 use crate::histogram::HistValues;
-use crate::sync::{fence, spin_loop, AtomicI32, AtomicU64, Ordering};
+use crate::sync::{fence, seqcst_pair, spin_loop, AtomicI32, AtomicU32, AtomicU64, Ordering};
 
 /// One value per counter, in `CounterValues::NAMES` order (zeroed memory: all zero). `N` is
 /// [`COUNT`] but in the model checks, which use one counter: loom explores every value each
@@ -144,6 +159,8 @@ pub struct FlushBook<const N: usize = COUNT> {
     inflight: Counters<N>,
     /// Pid of the process whose open transaction is flushing this cap; 0 = none.
     flusher: AtomicI32,
+    /// 1 while a restart of the counts is asked for and not yet made (module note).
+    restart: AtomicU32,
 }
 
 impl<const N: usize> Default for FlushBook<N> {
@@ -156,6 +173,7 @@ impl<const N: usize> Default for FlushBook<N> {
             flushed: Counters::default(),
             inflight: Counters::default(),
             flusher: AtomicI32::new(0),
+            restart: AtomicU32::new(0),
         }
     }
 }
@@ -310,9 +328,58 @@ impl<const N: usize> FlushBook<N> {
         });
     }
 
-    /// Gives the flusher role back (Release: the next flusher sees this one's writes).
-    pub fn end(&self) {
-        self.flusher.store(0, Ordering::Release);
+    /// Gives the flusher role back (Release: the next flusher sees this one's writes). True if
+    /// a restart was asked for meanwhile and this process took the role again to make it: it
+    /// calls [`FlushBook::restart`], then `end` again (module note, "Restart").
+    #[must_use]
+    pub fn end(&self) -> bool {
+        let me = self.flusher.load(Ordering::Relaxed);
+        self.flusher.store(0, Ordering::SeqCst);
+        seqcst_pair();
+        self.restart.load(Ordering::SeqCst) != 0 && self.begin(me)
+    }
+
+    /// Asks for the counts to restart at zero. True if `pid` (nonzero) took the role: it calls
+    /// [`FlushBook::restart`] (which finds the restart made already if the last holder saw the
+    /// request as it gave the role back), then [`FlushBook::end`]. False if another process
+    /// holds the role: it makes the restart as it gives the role back.
+    #[must_use]
+    pub fn ask_restart(&self, pid: i32) -> bool {
+        self.restart.store(1, Ordering::SeqCst);
+        seqcst_pair();
+        self.flusher
+            .compare_exchange(0, pid, Ordering::SeqCst, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Holding the role, with no flush in flight (a flush's commit or abort settled it): makes
+    /// the restart asked for, if one still is, and returns the pending counts it dropped (None
+    /// if none was asked for). In one seqlock write, each hot counter of `counts` loses the
+    /// value read of it (a bump made meanwhile stays: pending from now on) and the book goes
+    /// back to zero; `also` runs inside the same write (the extension restarts its histograms
+    /// there likewise).
+    pub fn restart(&self, counts: &Counters<N>, also: impl FnOnce()) -> Option<[u64; N]> {
+        if self.restart.swap(0, Ordering::AcqRel) == 0 {
+            return None;
+        }
+        Some(self.version.write(|| {
+            let now = counts.values();
+            let (carried, flushed) = (self.carried.values(), self.flushed.values());
+            for (c, v) in counts.0.iter().zip(now) {
+                c.fetch_sub(v, Ordering::Relaxed);
+            }
+            for a in [&self.carried, &self.flushed, &self.inflight] {
+                a.set([0; N]);
+            }
+            self.settled_id.store(0, Ordering::Relaxed);
+            also();
+            std::array::from_fn(|i| carried[i].wrapping_add(now[i]).wrapping_sub(flushed[i]))
+        }))
+    }
+
+    /// Whether a restart is asked for and not yet made.
+    pub fn restart_asked(&self) -> bool {
+        self.restart.load(Ordering::Acquire) != 0
     }
 
     /// Under the exclusive directory lock, reclaiming (no reader, no flusher): every count
@@ -324,6 +391,7 @@ impl<const N: usize> FlushBook<N> {
         self.inflight.set([0; N]);
         self.inflight_id.store(0, Ordering::Relaxed);
         self.settled_id.store(0, Ordering::Relaxed);
+        self.restart.store(0, Ordering::Relaxed);
     }
 }
 
@@ -355,7 +423,7 @@ mod unit {
         assert_eq!(s.pending(Some(1)).acquired, 1);
         assert_eq!(s.pending(Some(0)).acquired, 8);
         book.commit(&read);
-        book.end();
+        assert!(!book.end(), "no restart was asked for");
         assert!(book.idle());
         let s = book.read(&counts, no_hist);
         assert_eq!(s.pending(None).acquired, 1);
@@ -366,9 +434,57 @@ mod unit {
         let read = book.read(&counts, no_hist);
         book.set_inflight(2, read.pending(None));
         book.abort();
-        book.end();
+        assert!(!book.end(), "no restart was asked for");
         assert_eq!(book.read(&counts, no_hist).pending(Some(1)).acquired, 1);
         book.clear(&counts);
+        assert!(book.read(&counts, no_hist).pending(None).is_zero());
+    }
+
+    #[test]
+    fn a_restart_zeroes_the_counts_and_drops_what_is_pending() {
+        let (counts, book) = (Counters::default(), FlushBook::default());
+        counts.bump(Counter::Acquired, 5);
+        book.carry(CounterValues {
+            acquired: 4,
+            ..Default::default()
+        });
+        assert!(book.begin(7));
+        let read = book.read(&counts, no_hist);
+        book.set_inflight(1, read.pending(None));
+        book.commit(&read);
+        assert!(!book.end());
+        counts.bump(Counter::Acquired, 2);
+        // Asked with the role free: the asker makes it at once.
+        assert!(book.ask_restart(9));
+        assert_eq!(book.restart(&counts, || {}).map(|d| d[0]), Some(2));
+        assert!(!book.end());
+        let s = book.read(&counts, no_hist);
+        assert_eq!((s.counters.acquired, s.pending(None).acquired), (0, 0));
+        assert_eq!(
+            s.pending(Some(0)).acquired,
+            0,
+            "no settled flush is added back"
+        );
+        // Asked while a flush holds the role: its holder makes it as it gives the role back.
+        counts.bump(Counter::Acquired, 3);
+        assert!(book.begin(7));
+        assert!(!book.ask_restart(9));
+        assert!(book.restart_asked());
+        assert!(book.end(), "the holder takes the role back to restart");
+        assert_eq!(book.restart(&counts, || {}).map(|d| d[0]), Some(3));
+        assert_eq!(book.restart(&counts, || {}), None, "made once");
+        assert!(!book.end());
+        // Counting goes on from zero, and a flush moves exactly that.
+        counts.bump(Counter::Acquired, 1);
+        assert!(book.begin(7));
+        let read = book.read(&counts, no_hist);
+        assert_eq!(
+            (read.counters.acquired, read.pending(None).acquired),
+            (1, 1)
+        );
+        book.set_inflight(2, read.pending(None));
+        book.commit(&read);
+        assert!(!book.end());
         assert!(book.read(&counts, no_hist).pending(None).is_zero());
     }
 
@@ -476,7 +592,7 @@ mod unit {
                             );
                             cap.1.commit(&read);
                         }
-                        cap.1.end();
+                        assert!(!cap.1.end(), "no restart was asked for");
                     }
                 })
             })
@@ -489,6 +605,105 @@ mod unit {
             f.join().unwrap();
         }
         assert_eq!(total(&cap, &table), Some(2 * BUMPS));
+    }
+
+    /// Gives the role back, making every restart asked for meanwhile; how many it made, and
+    /// the counts they dropped.
+    fn end_restarting(cap: &(Counters, FlushBook)) -> (u64, u64) {
+        let (mut made, mut dropped) = (0, 0);
+        while cap.1.end() {
+            if let Some(d) = cap.1.restart(&cap.0, || {}) {
+                made += 1;
+                dropped += d[0];
+            }
+        }
+        (made, dropped)
+    }
+
+    /// Bumpers count and flushers flush (some flushes abort) while an asker asks for restarts
+    /// again and again: no request is left unmade once all stop, and every count is in exactly
+    /// one of the table, pending, or what a restart dropped.
+    #[test]
+    fn restarts_asked_while_flushing_are_all_made_and_lose_no_count_with_threads() {
+        const BUMPS: u64 = 20_000;
+        let cap = Arc::new((Counters::default(), FlushBook::default()));
+        let table = Arc::new(AtomicU64::new(0));
+        // Restarts made, and the counts they dropped.
+        let made = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+        let note = |made: &(AtomicU64, AtomicU64), (m, d): (u64, u64)| {
+            made.0.fetch_add(m, Ordering::Relaxed);
+            made.1.fetch_add(d, Ordering::Relaxed);
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let bumpers: Vec<_> = (0..2)
+            .map(|_| {
+                let cap = cap.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..BUMPS {
+                        cap.0.bump(Counter::Acquired, 1);
+                    }
+                })
+            })
+            .collect();
+        let flushers: Vec<_> = (0..2)
+            .map(|me| {
+                let (cap, table, made, stop) =
+                    (cap.clone(), table.clone(), made.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut id = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        if !cap.1.begin(me + 1) {
+                            continue;
+                        }
+                        let read = cap.1.read(&cap.0, no_hist);
+                        let delta = read.pending(None);
+                        id += 1;
+                        cap.1.set_inflight(id, delta);
+                        if id % 3 == 0 {
+                            cap.1.abort();
+                        } else {
+                            table.fetch_add(delta.acquired, Ordering::Relaxed);
+                            cap.1.commit(&read);
+                        }
+                        note(&made, end_restarting(&cap));
+                    }
+                })
+            })
+            .collect();
+        let asker = {
+            let (cap, made) = (cap.clone(), made.clone());
+            std::thread::spawn(move || {
+                for _ in 0..2_000 {
+                    if cap.1.ask_restart(9) {
+                        if let Some(d) = cap.1.restart(&cap.0, || {}) {
+                            note(&made, (1, d[0]));
+                        }
+                        note(&made, end_restarting(&cap));
+                    }
+                    std::thread::yield_now();
+                }
+            })
+        };
+        for b in bumpers {
+            b.join().unwrap();
+        }
+        asker.join().unwrap();
+        stop.store(true, Ordering::Relaxed);
+        for f in flushers {
+            f.join().unwrap();
+        }
+        assert!(
+            !cap.1.restart_asked(),
+            "a restart was asked for and never made"
+        );
+        assert!(made.0.load(Ordering::Relaxed) > 0);
+        let s = cap.1.read(&cap.0, no_hist);
+        assert_eq!(
+            table.load(Ordering::Relaxed)
+                + s.pending(None).acquired
+                + made.1.load(Ordering::Relaxed),
+            2 * BUMPS
+        );
     }
 }
 
@@ -544,6 +759,8 @@ mod model {
         book: FlushBook<1>,
         table: AtomicU64,
         ids: AtomicU64,
+        /// Counts dropped by restarts.
+        dropped: AtomicU64,
     }
 
     /// One flush as the extension runs it (`flush::run`, `session::settle_flush`): take the
@@ -557,7 +774,7 @@ mod model {
         let delta = read.pending(None);
         if delta == [0] {
             c.book.abort();
-            c.book.end();
+            end_restarting(c);
             return;
         }
         let id = c.ids.fetch_add(1, Ordering::Relaxed) + 1;
@@ -566,7 +783,21 @@ mod model {
         c.table
             .store((((row >> 32) + delta[0]) << 32) | id, Ordering::Release);
         c.book.commit_values(read.counters, read.carried);
-        c.book.end();
+        end_restarting(c);
+    }
+
+    /// Gives the role back, making every restart asked for meanwhile.
+    fn end_restarting(c: &Cap) {
+        while c.book.end() {
+            restart(c);
+        }
+    }
+
+    /// Holding the role: makes the restart asked for, if one still is, noting what it dropped.
+    fn restart(c: &Cap) {
+        if let Some(d) = c.book.restart(&c.counts, || ()) {
+            c.dropped.fetch_add(d[0], Ordering::Relaxed);
+        }
     }
 
     /// A backend counts twice and reads its total after each count while two flushers flush:
@@ -596,6 +827,34 @@ mod model {
         });
     }
 
+    /// A restart asked for while a flush may hold the role is made, once: by the asker if it
+    /// takes the role, else by the flush as it gives the role back. The count made before it
+    /// is gone from the counters, and in exactly one of the table and what the restart dropped.
+    #[test]
+    fn a_restart_asked_during_a_flush_is_made() {
+        crate::sync::model(|| {
+            let c = Arc::new(Cap::default());
+            c.counts.add(0, 1);
+            let flusher = {
+                let c = c.clone();
+                thread::spawn(move || flush(&c, 1))
+            };
+            if c.book.ask_restart(2) {
+                // The flush may have made it already, between the request and the role.
+                restart(&c);
+                end_restarting(&c);
+            }
+            flusher.join().unwrap();
+            assert!(!c.book.restart_asked(), "the request was lost");
+            assert_eq!(c.counts.values(), [0]);
+            let (table, dropped) = (
+                c.table.load(Ordering::Relaxed) >> 32,
+                c.dropped.load(Ordering::Relaxed),
+            );
+            assert_eq!(total(&c).map(|t| t + dropped), Some(1), "table {table}");
+        });
+    }
+
     /// A flush that aborts leaves its delta pending; a reader meanwhile never counts it
     /// twice, and a flush after it moves everything.
     #[test]
@@ -610,7 +869,7 @@ mod model {
                     let (read, ()) = c.book.read_with(&c.counts, || ());
                     c.book.set_inflight_values(1, read.pending(None));
                     c.book.abort();
-                    c.book.end();
+                    assert!(!c.book.end(), "no restart was asked for");
                 })
             };
             let reader = {
@@ -632,6 +891,7 @@ mod model {
 }
 
 // Layout, for the extension's cap entry (its size is a memory budget): the hot counters are
-// 80 bytes, the book 272 (the version, two ids, three counter sets, the flusher's pid).
+// 80 bytes, the book 272 (the version, two ids, three counter sets, the flusher's pid and the
+// restart request, which fills what was its padding).
 #[cfg(not(all(test, loom)))]
 const _: () = assert!(size_of::<Counters>() == 80 && size_of::<FlushBook>() == 272);
