@@ -22,7 +22,7 @@ export PG_CONFIG
 DEPS = $(if $(PHASED),,deps)
 INSTALL_DEV = $(if $(PHASED),,install-dev)
 
-.PHONY: deps install install-dev demo demo-django bench test test-all test-unit test-pg \
+.PHONY: deps install install-dev demo demo-django bench bench-quick test test-all test-unit test-pg \
         test-integration test-isolation test-monitoring test-python lint layers clean package \
         test-package wheel
 
@@ -50,6 +50,13 @@ demo-django: install
 ## Throughput against the peers in bench/ (about 20 minutes); writes bench/results/.
 bench: install
 	.venv/bin/python bench/run.py
+
+## The hot path in instructions (callgrind, a few minutes): fails when a count grows more than
+## 3% against bench/results/quick-baseline-pg$(PG).json; prints issue 36's targets as ratios.
+## BENCH_QUICK_ARGS=--update rewrites the baseline.
+bench-quick: install
+	@command -v valgrind > /dev/null || apt-get install -y -qq valgrind > /dev/null
+	.venv/bin/python bench/quick.py $(BENCH_QUICK_ARGS) $(PG_CONFIG)
 
 ## Everything, on PostgreSQL $(PG): slot-search and counter unit tests, in-server tests,
 ## multi-session tests on real clusters, and the Python package (its wheel, installed) with

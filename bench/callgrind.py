@@ -42,13 +42,17 @@ LOOPS = {"stage_e_slots": "SELECT inserver_stage_e({n})",
          "pg_backend_pid()": "SELECT inserver_backend_pid({n})"}
 
 
-def instructions(postgres: str, data: str, query: str) -> int:
+def instructions(postgres: str, data: str, query: str,
+                 settings: list[str] | None = None) -> int:
+    """What the single-user backend runs for `query`; `settings` replace the default
+    `-c shared_preload_libraries=stage_e_slots` (give it among them)."""
     out = tempfile.NamedTemporaryFile(suffix=".callgrind", delete=False).name
     os.chmod(out, 0o666)
     owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     run = subprocess.run([*owner, "valgrind", "--tool=callgrind",
                           f"--callgrind-out-file={out}", postgres, "--single", "-D", data,
-                          "-c", "shared_preload_libraries=stage_e_slots", "bench"],
+                          *(settings or ["-c", "shared_preload_libraries=stage_e_slots"]),
+                          "bench"],
                          input=query + "\n", text=True, capture_output=True, check=True)
     # The single-user backend reports a failed statement and still exits 0.
     if re.search(r"\b(ERROR|FATAL|PANIC):  ", run.stdout + run.stderr):
