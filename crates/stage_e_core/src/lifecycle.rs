@@ -2,6 +2,10 @@
 //! the durable lease horizon and token floor, how a start is classified, and the two files and
 //! the journal format that carry leases over.
 //!
+//! **Lease file.** Written at a clean shutdown, stamped with that shutdown's checkpoint
+//! ([`Checkpoint`]): it is exact for the start right after that shutdown and for no other
+//! ([`LeaseFile::check`]), so a copy put back later is known and the start is a crash.
+//!
 //! **Horizon.** A lease (or a renewal) with expiry `E` may be granted only while
 //! `E + margin ≤ horizon`, where `horizon` is the last *committed* value of the cap's row: so
 //! after a crash or a promotion, holding the cap back until `horizon` outlasts every lease the
@@ -275,16 +279,36 @@ pub struct SavedLease {
     pub key: Option<i32>,
 }
 
+/// Which clean shutdown a lease file belongs to: the cluster's system identifier and the LSN of
+/// the shutdown checkpoint in the control file when it was written. The file speaks for the
+/// start right after that shutdown only: one whose control file says "shut down" at this same
+/// checkpoint. Any other start (a crash since, or an older copy put back) cannot trust it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub system: u64,
+    pub lsn: u64,
+}
+
+impl std::fmt::Display for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:X}/{:X}", self.lsn >> 32, self.lsn as u32)
+    }
+}
+
 /// The lease file of a clean shutdown: the server's last token and every live lease.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaseFile {
+    /// None in a file written before 0.9.1 (v1 and v2), which has no stamp.
+    pub checkpoint: Option<Checkpoint>,
     pub last_token: u64,
     pub leases: Vec<SavedLease>,
 }
 
 const LEASE_FILE_HEADER_V1: &str = "stage_e_slots leases v1";
 /// Since 0.7.0 each lease line ends with its cap's lock key.
-const LEASE_FILE_HEADER: &str = "stage_e_slots leases v2";
+const LEASE_FILE_HEADER_V2: &str = "stage_e_slots leases v2";
+/// Since 0.9.1 a `checkpoint` line says which clean shutdown wrote the file.
+const LEASE_FILE_HEADER: &str = "stage_e_slots leases v3";
 
 /// Why a saved file is not used.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -293,6 +317,12 @@ pub enum FileError {
     OtherMajor(u32),
     /// Not in the expected format (the line, counted from 1).
     Corrupt(usize),
+    /// Written at another clean shutdown than the last one (an older copy put back), or by
+    /// another cluster: what it says may no longer be all that is live.
+    OtherShutdown {
+        written: Checkpoint,
+        last: Checkpoint,
+    },
 }
 
 impl std::fmt::Display for FileError {
@@ -300,6 +330,16 @@ impl std::fmt::Display for FileError {
         match self {
             FileError::OtherMajor(m) => write!(f, "it was written by PostgreSQL {m}"),
             FileError::Corrupt(line) => write!(f, "line {line} is not in the expected format"),
+            FileError::OtherShutdown { written, last } if written.system != last.system => write!(
+                f,
+                "it was written by another cluster (system identifier {}, this one is {})",
+                written.system, last.system
+            ),
+            FileError::OtherShutdown { written, last } => write!(
+                f,
+                "it was written at the shutdown checkpoint {written}, not at the last clean \
+                 shutdown's ({last}): it is an older copy, and leases granted since are not in it"
+            ),
         }
     }
 }
@@ -342,12 +382,17 @@ fn unhex(h: &str) -> Option<String> {
 }
 
 impl LeaseFile {
-    /// The file's text, stamped with the server's major version.
+    /// The file's text, stamped with the server's major version (and its checkpoint, if any:
+    /// a file without one is written in the v2 format).
     pub fn encode(&self, major: u32) -> String {
-        let mut out = format!(
-            "{LEASE_FILE_HEADER}\nmajor {major}\ntokens {}\n",
-            self.last_token
-        );
+        let mut out = match self.checkpoint {
+            Some(c) => format!(
+                "{LEASE_FILE_HEADER}\nmajor {major}\ncheckpoint {} {}\n",
+                c.system, c.lsn
+            ),
+            None => format!("{LEASE_FILE_HEADER_V2}\nmajor {major}\n"),
+        };
+        let _ = writeln!(out, "tokens {}", self.last_token);
         for l in &self.leases {
             let _ = writeln!(
                 out,
@@ -371,9 +416,10 @@ impl LeaseFile {
     pub fn decode(text: &str, major: u32) -> Result<LeaseFile, FileError> {
         let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l));
         let corrupt = |i: usize| FileError::Corrupt(i);
-        let keyed = match lines.next() {
-            Some((_, LEASE_FILE_HEADER)) => true,
-            Some((_, LEASE_FILE_HEADER_V1)) => false,
+        let (keyed, stamped) = match lines.next() {
+            Some((_, LEASE_FILE_HEADER)) => (true, true),
+            Some((_, LEASE_FILE_HEADER_V2)) => (true, false),
+            Some((_, LEASE_FILE_HEADER_V1)) => (false, false),
             other => return Err(corrupt(other.map_or(1, |(i, _)| i))),
         };
         let (i, stamp) = lines.next().ok_or(corrupt(2))?;
@@ -384,8 +430,23 @@ impl LeaseFile {
         if written_by != major {
             return Err(FileError::OtherMajor(written_by));
         }
-        let (i, tokens) = lines.next().ok_or(corrupt(3))?;
+        let checkpoint = if stamped {
+            let (i, line) = lines.next().ok_or(corrupt(3))?;
+            let parsed = match line.split(' ').collect::<Vec<_>>().as_slice() {
+                ["checkpoint", system, lsn] => system
+                    .parse()
+                    .ok()
+                    .zip(lsn.parse().ok())
+                    .map(|(system, lsn)| Checkpoint { system, lsn }),
+                _ => None,
+            };
+            Some(parsed.ok_or(corrupt(i))?)
+        } else {
+            None
+        };
+        let (i, tokens) = lines.next().ok_or(corrupt(3 + stamped as usize))?;
         let mut file = LeaseFile {
+            checkpoint,
             last_token: tokens
                 .strip_prefix("tokens ")
                 .and_then(|t| t.parse().ok())
@@ -422,6 +483,17 @@ impl LeaseFile {
             parsed.ok_or(corrupt(i))?;
         }
         Err(corrupt(text.lines().count() + 1))
+    }
+
+    /// Whether the file speaks for a start whose control file says the server shut down
+    /// cleanly at `last`: a stamped file only if it was written at that very shutdown; a file
+    /// of 0.9.0 or earlier (no stamp) is taken on trust, as those versions did, since only its
+    /// own shutdown could have written it unless a copy was put back.
+    pub fn check(&self, last: Checkpoint) -> Result<(), FileError> {
+        match self.checkpoint {
+            Some(written) if written != last => Err(FileError::OtherShutdown { written, last }),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -659,8 +731,14 @@ mod unit {
         assert_eq!(encode_journal(&[]), "[]");
     }
 
+    const AT: Checkpoint = Checkpoint {
+        system: 7_448_066_310_915_473_127,
+        lsn: 0x1_0400_0028,
+    };
+
     fn sample() -> LeaseFile {
         LeaseFile {
+            checkpoint: Some(AT),
             last_token: 1 << 61,
             leases: vec![SavedLease {
                 database: 5,
@@ -673,6 +751,58 @@ mod unit {
                 key: Some(-1_155_795_468),
             }],
         }
+    }
+
+    /// Issue 35: an older copy of the file put back (a restore of pg_stat/) is refused, since
+    /// leases granted after it was written are not in it; so is another cluster's.
+    #[test]
+    fn the_lease_file_speaks_only_for_the_shutdown_that_wrote_it() {
+        let f = sample();
+        let text = f.encode(18);
+        assert!(
+            text.contains("\ncheckpoint 7448066310915473127 4362076200\n"),
+            "{text}"
+        );
+        let read = LeaseFile::decode(&text, 18).expect("a v3 file");
+        assert_eq!(read.check(AT), Ok(()));
+        let later = Checkpoint {
+            lsn: AT.lsn + 0x98,
+            ..AT
+        };
+        let err = read.check(later).unwrap_err();
+        assert_eq!(
+            err,
+            FileError::OtherShutdown {
+                written: AT,
+                last: later
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "it was written at the shutdown checkpoint 1/4000028, not at the last clean \
+             shutdown's (1/40000C0): it is an older copy, and leases granted since are not in it"
+        );
+        let other = Checkpoint { system: 1, ..AT };
+        assert!(read
+            .check(other)
+            .unwrap_err()
+            .to_string()
+            .contains("another cluster"));
+        // A damaged stamp line is corrupt, like any other line.
+        let bad = text.replace("checkpoint 7448066310915473127", "checkpoint x");
+        assert_eq!(LeaseFile::decode(&bad, 18), Err(FileError::Corrupt(3)));
+        // A file of 0.7.0 to 0.9.0 (v2, no stamp) is still read, and taken on trust.
+        let v2 = LeaseFile {
+            checkpoint: None,
+            ..sample()
+        };
+        let old = v2.encode(18);
+        assert!(
+            old.starts_with("stage_e_slots leases v2\nmajor 18\ntokens "),
+            "{old}"
+        );
+        let read = LeaseFile::decode(&old, 18).expect("a v2 file");
+        assert_eq!((read.checkpoint, read.check(later)), (None, Ok(())));
     }
 
     #[test]
@@ -701,7 +831,7 @@ mod unit {
             Err(FileError::Corrupt(_))
         ));
         let garbled = text.replace("lease 5", "lease x");
-        assert_eq!(LeaseFile::decode(&garbled, 18), Err(FileError::Corrupt(4)));
+        assert_eq!(LeaseFile::decode(&garbled, 18), Err(FileError::Corrupt(5)));
         assert_eq!(LeaseFile::decode("", 18), Err(FileError::Corrupt(1)));
         assert_eq!(
             LeaseFile::decode("\u{0}\u{1}garbage", 18),
