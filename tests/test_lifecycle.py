@@ -486,6 +486,41 @@ def test_a_backend_crash_reset_and_an_immediate_stop_are_crashes_too():
                 assert wait_journaled(s, "jobs", out.tokens, reclaimed + JOURNAL_LAG)
 
 
+def test_after_a_crash_a_cap_is_held_back_for_its_live_leases_not_the_longest_ever():
+    """Issue 35: a lease of 120 s taken and released at once, then a short lease kept renewed,
+    held the whole cap back for about 120 s after a backend crash: the durable horizon stayed
+    at the longest lease ever granted for as long as any lease was live. The flusher now brings
+    it down to the leases that may be live (in a journal write it makes anyway): after the
+    crash the cap is held back until the short lease's expiry plus the margin and one step
+    (4 s), no longer, and no shorter."""
+    ttl, step = timedelta(seconds=5), timedelta(seconds=4)
+    with running("life_lowered") as c:
+        with c.connect(DB) as s:
+            assert release_lease(s, "jobs", *lease(s, "jobs", 2, "120 s")) is True
+            [(slot, token)] = [lease(s, "jobs", 2, ttl)]
+
+            def come_down():
+                assert renew(s, "jobs", slot, token, ttl) is True
+                h = one(s, "SELECT horizon FROM stage_e_lease_horizon WHERE cap = 'jobs'")
+                return h is not None and h <= server_now(s) + ttl + MARGIN + step
+            wait_for(come_down, timeout=15, interval=0.5,
+                     what="the horizon of jobs to come down to its short lease")
+            [h] = holders(s, "jobs")
+            assert h["token"] == token
+            assert wait_journaled(s, "jobs", [token])
+            renewed_at = server_now(s)
+            backend_crash(c)
+        with c.connect(DB) as s:
+            [(cap, until, why)] = held_back(s)
+            assert (cap, why) == ("jobs", "crash")
+            assert until >= h["expires_at"] + MARGIN, (until, h)
+            print(f"\nheld back until {until - renewed_at} after the last renewal")
+            latest = renewed_at + ttl + MARGIN + step + timedelta(seconds=1)
+            assert until <= latest, (
+                f"held back until {until}, {until - renewed_at} after the last renewal: longer "
+                f"than the live lease's {ttl} plus the margin and a step")
+
+
 # -- 3. promotion ------------------------------------------------------------------------------
 
 def test_after_a_promotion_a_cap_with_live_leases_is_held_back_and_reclaimed_there():

@@ -137,22 +137,64 @@ pub fn close(
     horizon: &AtomicI64,
     granting: &AtomicU32,
     leases: impl Fn() -> u32,
-    mut nap: impl FnMut(),
+    nap: impl FnMut(),
 ) -> bool {
     let before = horizon.swap(0, Ordering::SeqCst);
-    let mut looks = 0;
-    while granting.load(Ordering::SeqCst) > 0 {
-        looks += 1;
-        if looks > 100_000 {
-            break; // a grant stalled mid-way (it is a few stores): stay open
-        }
-        nap();
-    }
-    if granting.load(Ordering::SeqCst) == 0 && leases() == 0 {
+    if drained(granting, nap) && leases() == 0 {
         return true;
     }
     horizon.fetch_max(before, Ordering::AcqRel);
     false
+}
+
+/// The horizon a cap's row may come down to while it has live leases, the latest of whose
+/// expiries is `latest_expiry`: what an advance for that lease writes. Some only when the
+/// committed `horizon` is more than a step above it (a longer lease has ended since): the row
+/// then follows the leases that may be live, not the longest ever granted, so that a crash
+/// holds the cap back no longer than they may live.
+pub fn lowered(horizon: i64, latest_expiry: i64, margin_us: i64) -> Option<i64> {
+    let to = advance_target(latest_expiry, margin_us);
+    (horizon > to.saturating_add(HORIZON_STEP_US)).then_some(to)
+}
+
+/// Lowers the committed `horizon` (in shared memory) from `from` to `to`, so that the row may
+/// be written down to `to`: every later grant or renewal checks against `to`, and those that
+/// read `from` are waited out (`granting`, Dekker-style as in [`close`]). True then: every
+/// lease that relied on `from` is recorded, so the caller reads the live leases *after* this
+/// and writes a row no lower than `to` nor than any of them. False, with `from` back, if the
+/// horizon moved meanwhile or a grant stalled mid-way.
+pub fn lower(
+    horizon: &AtomicI64,
+    granting: &AtomicU32,
+    from: i64,
+    to: i64,
+    nap: impl FnMut(),
+) -> bool {
+    if horizon
+        .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return false;
+    }
+    if drained(granting, nap) {
+        return true;
+    }
+    horizon.fetch_max(from, Ordering::AcqRel);
+    false
+}
+
+/// Waits until no grant is between its room check and its lease record; false if one stalls
+/// mid-way (it is a few stores: give up rather than wait on it).
+fn drained(granting: &AtomicU32, mut nap: impl FnMut()) -> bool {
+    let mut looks = 0;
+    while granting.load(Ordering::SeqCst) > 0 {
+        looks += 1;
+        if looks > 100_000 {
+            return false;
+        }
+        nap();
+    }
+    true
 }
 
 /// How this server's shared memory began (decided once per initialisation by the postmaster).
@@ -706,6 +748,132 @@ mod unit {
             g > 0 && r > 0 && c > 0,
             "the race ran: {g} grants, {r} refused, {c} closes"
         );
+    }
+
+    /// Issue 35: a horizon brought down to the leases that may be live (a long lease ended, a
+    /// short one kept) races grants, each preempted between its room check and its lease
+    /// record: the row is never below a live lease's expiry plus the margin (after a crash,
+    /// that lease would outlive the hold), shared memory's horizon is never above the row,
+    /// and the race actually runs.
+    #[test]
+    fn a_lowered_horizon_never_leaves_a_live_lease_uncovered() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        use std::sync::{Arc, Mutex};
+        const M: i64 = S / 5;
+        let clock = Arc::new(AtomicI64::new(1_000 * S));
+        let horizon = Arc::new(AtomicI64::new(0)); // committed, in shared memory
+        let row = Arc::new(AtomicI64::new(0)); // on disk
+        let wanted = Arc::new(AtomicI64::new(0));
+        let granting = Arc::new(AtomicU32::new(0));
+        let live = Arc::new(Mutex::new(Vec::<i64>::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let granted = Arc::new(AtomicUsize::new(0));
+        let grants: Vec<_> = (0..3)
+            .map(|t| {
+                let (clock, horizon, row, wanted, granting, live, stop, granted) = (
+                    clock.clone(),
+                    horizon.clone(),
+                    row.clone(),
+                    wanted.clone(),
+                    granting.clone(),
+                    live.clone(),
+                    stop.clone(),
+                    granted.clone(),
+                );
+                std::thread::spawn(move || {
+                    // The first takes leases of a minute, each ended at once; the others
+                    // leases of a second.
+                    let ttl = if t == 0 { 60 * S } else { S };
+                    while !stop.load(Ordering::Relaxed) {
+                        let e = clock.load(Ordering::Relaxed) + ttl;
+                        let g = begin_grant(&granting);
+                        if e + M > horizon.load(Ordering::SeqCst) {
+                            drop(g);
+                            wanted.fetch_max(advance_target(e, M), Ordering::AcqRel);
+                            std::thread::yield_now();
+                            continue;
+                        }
+                        for _ in 0..3 {
+                            std::thread::yield_now(); // preempted between check and record
+                        }
+                        live.lock().unwrap().push(e);
+                        drop(g);
+                        assert!(
+                            e + M <= row.load(Ordering::SeqCst),
+                            "a live lease uncovered"
+                        );
+                        granted.fetch_add(1, Ordering::Relaxed);
+                        std::thread::yield_now();
+                        let mut l = live.lock().unwrap();
+                        let at = l.iter().position(|&x| x == e).unwrap();
+                        l.swap_remove(at);
+                    }
+                })
+            })
+            .collect();
+        let (mut lowers, started) = (0, std::time::Instant::now());
+        while lowers < 1_000 && started.elapsed() < std::time::Duration::from_secs(5) {
+            clock.fetch_add(S / 1_000, Ordering::Relaxed); // a millisecond a round
+                                                           // An advance: committed, then published.
+            let w = wanted.load(Ordering::Acquire);
+            if w > horizon.load(Ordering::Acquire) {
+                row.fetch_max(w, Ordering::SeqCst);
+                horizon.fetch_max(w, Ordering::AcqRel);
+            }
+            let latest = live.lock().unwrap().iter().copied().max();
+            let from = horizon.load(Ordering::Acquire);
+            let Some(to) = latest.and_then(|l| lowered(from, l, M)) else {
+                std::thread::yield_now();
+                continue;
+            };
+            let asked = wanted.swap(0, Ordering::SeqCst);
+            if !lower(&horizon, &granting, from, to, std::thread::yield_now) {
+                wanted.fetch_max(asked, Ordering::AcqRel);
+                continue;
+            }
+            // The leases read after the lowering; the row written down to them, then published.
+            let written = live
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|e| e + M)
+                .chain([to, wanted.load(Ordering::Acquire)])
+                .max()
+                .unwrap();
+            row.store(written, Ordering::SeqCst);
+            horizon.fetch_max(written, Ordering::AcqRel);
+            // (Not lowered if a long grant asked for more meanwhile.)
+            lowers += usize::from(written < from);
+            assert!(horizon.load(Ordering::SeqCst) <= row.load(Ordering::SeqCst));
+        }
+        stop.store(true, Ordering::Relaxed);
+        for g in grants {
+            g.join().unwrap();
+        }
+        let g = granted.load(Ordering::Relaxed);
+        assert!(
+            g > 0 && lowers > 0,
+            "the race ran: {g} grants, {lowers} lowerings"
+        );
+    }
+
+    #[test]
+    fn a_horizon_comes_down_only_well_above_the_live_leases() {
+        let (margin, latest) = (2 * S, 100 * S);
+        let to = advance_target(latest, margin);
+        assert_eq!(lowered(to + HORIZON_STEP_US, latest, margin), None);
+        assert_eq!(lowered(to + HORIZON_STEP_US + 1, latest, margin), Some(to));
+        assert_eq!(lowered(latest + 120 * S, latest, margin), Some(to));
+        // A horizon moved meanwhile is left alone.
+        let (h, g) = (AtomicI64::new(5), AtomicU32::new(0));
+        assert!(!lower(&h, &g, 4, 1, || ()));
+        assert_eq!(h.load(Ordering::Relaxed), 5);
+        assert!(lower(&h, &g, 5, 1, || ()));
+        assert_eq!(h.load(Ordering::Relaxed), 1);
+        // A grant that stalls between its check and its record: the horizon goes back up.
+        g.store(1, Ordering::Relaxed);
+        assert!(!lower(&h, &g, 1, 0, || ()));
+        assert_eq!(h.load(Ordering::Relaxed), 1);
     }
 
     #[test]
