@@ -521,6 +521,36 @@ def test_after_a_crash_a_cap_is_held_back_for_its_live_leases_not_the_longest_ev
                 f"than the live lease's {ttl} plus the margin and a step")
 
 
+def test_a_clean_restart_while_a_cap_is_held_back_keeps_the_hold():
+    """Found with issue 35's item 2: after a crash a cap is held back until its durable
+    horizon, since a lease the journal missed may still be live; a clean restart before then
+    wrote a lease file without the hold, the next start trusted it as clean, and the cap handed
+    out its free slots at once. The file now carries the hold (written once every database is
+    loaded, so that every hold is known; until then the next start is a crash again): each
+    restart holds the cap back until the same time, and its holder still reclaims."""
+    with running("life_hold_kept") as c:
+        with c.connect(DB) as s:
+            out = take(s, "jobs", 2, leases=1, ttl="1 min")
+            journaled = wait_journaled(s, "jobs", out.tokens, out.taken_at + JOURNAL_LAG)
+        crash_restart(c)
+        with c.connect(DB) as s:
+            until = assert_held_back(s, out, "crash")
+        # The shutdown carries the hold once every database is loaded (the launcher asks for
+        # them all at the crash start): a restart or two.
+        for _ in range(3):
+            since, lease_file = clean_restart(c)
+            with c.connect(DB) as s:
+                assert assert_held_back(s, out, "crash", "a clean restart while held") == until
+            if "restored 1 lease(s) and 1 hold(s)" in c.log_text()[since:]:
+                break
+        else:
+            pytest.fail("no clean restart carried the hold in the lease file")
+        with c.connect(DB) as s:
+            assert journaled, "no stage_e_lease_horizon"
+            assert_reclaims(s, out)
+        assert lease_file
+
+
 # -- 3. promotion ------------------------------------------------------------------------------
 
 def test_after_a_promotion_a_cap_with_live_leases_is_held_back_and_reclaimed_there():

@@ -28,7 +28,8 @@
 //! live leases may live, and lowering adds no row write of its own. A held cap, or one with an
 //! advance asked for, is not lowered; in doubt (a grant stalled mid-way) the horizon stays.
 //!
-//! **Holds.** `held_until` is set once, by the loader, before the database is marked loaded;
+//! **Holds.** `held_until` is set once, by the loader, before the database is marked loaded
+//! (or at start, from the lease file, when a clean shutdown carried a hold over: `persist`);
 //! no backend acquires in a database before it is loaded (`loaded`), so every acquisition sees
 //! the hold. A held cap is not idle, so it is not reclaimed while held.
 

@@ -24,7 +24,10 @@
 //! kept where it is (a failed start leaves it for the next), a crash after the start that read
 //! it finds the control file "in production" (the start is a crash), and an older copy put back
 //! names an older checkpoint (ignored with a LOG line: a crash, held back). A file of 0.9.0 or
-//! earlier has no stamp: removed once read, as those versions did, and trusted.
+//! earlier has no stamp: removed once read, as those versions did, and trusted. The file also
+//! carries the holds of a crash or a promotion not yet ended, so a clean restart keeps them;
+//! a server that began so writes it only once every database is loaded (all its holds are
+//! known), else its next start is a crash again.
 
 use super::caps::{create_at_start, restore_at_start};
 use super::databases;
@@ -33,7 +36,7 @@ use super::segment::{self, segment, Segment};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
-use stage_e_core::lifecycle::{self, Checkpoint, LeaseFile, SavedLease, StartKind};
+use stage_e_core::lifecycle::{self, Checkpoint, LeaseFile, SavedHold, SavedLease, StartKind};
 use std::sync::Mutex;
 
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
@@ -216,19 +219,28 @@ pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKi
             lost += 1;
         }
     }
+    // The holds a crash or a promotion left that had not ended at the shutdown.
+    for h in &file.holds {
+        let key = h.key.unwrap_or_else(|| super::caps::first_key(&h.cap));
+        match restore_at_start(seg, h.database, &h.cap, key, 1) {
+            Ok(cap) => cap.hold(h.until, h.reason),
+            Err(_) => lost += 1,
+        }
+    }
     if lost > 0 {
         // Fail closed: what could not be put back is covered by the durable horizon.
         pgrx::log!(
-            "stage_e_slots: could not restore {lost} of the {} leases of {LEASE_FILE}; starting \
-             as after a crash",
-            file.leases.len()
+            "stage_e_slots: could not restore {lost} of the {} leases and holds of \
+             {LEASE_FILE}; starting as after a crash",
+            file.leases.len() + file.holds.len()
         );
         return StartKind::Crash;
     }
-    if !file.leases.is_empty() {
+    if !(file.leases.is_empty() && file.holds.is_empty()) {
         pgrx::log!(
-            "stage_e_slots: restored {} lease(s) from {LEASE_FILE}",
-            file.leases.len()
+            "stage_e_slots: restored {} lease(s) and {} hold(s) from {LEASE_FILE}",
+            file.leases.len(),
+            file.holds.len()
         );
     }
     StartKind::Clean
@@ -252,8 +264,13 @@ unsafe extern "C-unwind" fn save_at_exit(_code: i32, _arg: pg_sys::Datum) {
     }
     // Only the leases of a clean shutdown, or those restored exactly by a start that then
     // failed: a crash start that failed has no hold loaded, and its next start is a crash too.
-    let restored = never_up && databases::start_kind() == StartKind::Clean;
-    if now.shut_down() && (!never_up || restored) {
+    // After a crash or a promotion, the holds go into the file too, so only once every
+    // database is loaded (every hold there is to be is known); before that the next start is
+    // a crash again, and holds back from the durable horizons.
+    let kind = databases::start_kind();
+    let restored = never_up && kind == StartKind::Clean;
+    let holds_known = !kind.holds() || databases::all_loaded();
+    if now.shut_down() && (!never_up || restored) && holds_known {
         save_leases(seg, now.at);
     }
 }
@@ -333,7 +350,10 @@ fn save_leases(seg: &Segment, at: Checkpoint) {
         checkpoint: Some(at),
         last_token: seg.header.tokens.last(),
         leases: Vec::new(),
+        holds: Vec::new(),
     };
+    // SAFETY: reads the clock.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
     for (i, e) in seg.entries.iter().enumerate() {
         if !e.in_use() {
             continue;
@@ -352,11 +372,23 @@ fn save_leases(seg: &Segment, at: Checkpoint) {
                 owner: l.owner,
                 key: Some(cap.key()),
             }));
+        if let Some((until, reason)) = cap.held_until(now) {
+            file.holds.push(SavedHold {
+                database: cap.database(),
+                cap: cap.name(),
+                key: Some(cap.key()),
+                until,
+                reason,
+            });
+        }
     }
-    if write_file(LEASE_FILE, &file.encode(major())) && !file.leases.is_empty() {
+    if write_file(LEASE_FILE, &file.encode(major()))
+        && !(file.leases.is_empty() && file.holds.is_empty())
+    {
         pgrx::log!(
-            "stage_e_slots: saved {} lease(s) to {LEASE_FILE}",
-            file.leases.len()
+            "stage_e_slots: saved {} lease(s) and {} hold(s) to {LEASE_FILE}",
+            file.leases.len(),
+            file.holds.len()
         );
     }
 }

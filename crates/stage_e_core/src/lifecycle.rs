@@ -337,19 +337,35 @@ impl std::fmt::Display for Checkpoint {
     }
 }
 
-/// The lease file of a clean shutdown: the server's last token and every live lease.
+/// A cap held back at a clean shutdown (after a crash or a promotion, its hold had not ended):
+/// the next start holds it back as long, since leases the crashed server granted but its
+/// journal missed may still be live, and only the hold keeps their slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedHold {
+    pub database: u32,
+    pub cap: String,
+    pub key: Option<i32>,
+    pub until: i64,
+    pub reason: HoldReason,
+}
+
+/// The lease file of a clean shutdown: the server's last token, every live lease and every
+/// hold.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaseFile {
     /// None in a file written before 0.9.1 (v1 and v2), which has no stamp.
     pub checkpoint: Option<Checkpoint>,
     pub last_token: u64,
     pub leases: Vec<SavedLease>,
+    /// Since 0.9.1 (v3).
+    pub holds: Vec<SavedHold>,
 }
 
 const LEASE_FILE_HEADER_V1: &str = "stage_e_slots leases v1";
 /// Since 0.7.0 each lease line ends with its cap's lock key.
 const LEASE_FILE_HEADER_V2: &str = "stage_e_slots leases v2";
-/// Since 0.9.1 a `checkpoint` line says which clean shutdown wrote the file.
+/// Since 0.9.1 a `checkpoint` line says which clean shutdown wrote the file, and `hold` lines
+/// carry the holds not yet ended.
 const LEASE_FILE_HEADER: &str = "stage_e_slots leases v3";
 
 /// Why a saved file is not used.
@@ -449,6 +465,18 @@ impl LeaseFile {
                 l.key.map_or("-".to_string(), |k| k.to_string()),
             );
         }
+        // (A v2 file has no hold lines.)
+        for h in self.holds.iter().filter(|_| self.checkpoint.is_some()) {
+            let _ = writeln!(
+                out,
+                "hold {} {} {} {} {}",
+                h.database,
+                hex(&h.cap),
+                h.until,
+                h.reason as u32,
+                h.key.map_or("-".to_string(), |k| k.to_string()),
+            );
+        }
         out.push_str("end\n");
         out
     }
@@ -494,6 +522,7 @@ impl LeaseFile {
                 .and_then(|t| t.parse().ok())
                 .ok_or(corrupt(i))?,
             leases: Vec::new(),
+            holds: Vec::new(),
         };
         for (i, line) in lines {
             let w: Vec<&str> = line.split(' ').collect();
@@ -520,6 +549,19 @@ impl LeaseFile {
                         Some(())
                     })()
                 }
+                ["hold", db, name, until, reason, key] if stamped => (|| {
+                    file.holds.push(SavedHold {
+                        database: db.parse().ok()?,
+                        cap: unhex(name)?,
+                        key: match *key {
+                            "-" => None,
+                            k => Some(k.parse().ok()?),
+                        },
+                        until: until.parse().ok()?,
+                        reason: HoldReason::from_u32(reason.parse().ok()?)?,
+                    });
+                    Some(())
+                })(),
                 _ => None,
             };
             parsed.ok_or(corrupt(i))?;
@@ -918,6 +960,13 @@ mod unit {
                 owner: 10,
                 key: Some(-1_155_795_468),
             }],
+            holds: vec![SavedHold {
+                database: 5,
+                cap: "held é".into(),
+                key: Some(-7),
+                until: 851_000_000_000_000,
+                reason: HoldReason::Crash,
+            }],
         }
     }
 
@@ -959,9 +1008,10 @@ mod unit {
         // A damaged stamp line is corrupt, like any other line.
         let bad = text.replace("checkpoint 7448066310915473127", "checkpoint x");
         assert_eq!(LeaseFile::decode(&bad, 18), Err(FileError::Corrupt(3)));
-        // A file of 0.7.0 to 0.9.0 (v2, no stamp) is still read, and taken on trust.
+        // A file of 0.7.0 to 0.9.0 (v2, no stamp, no holds) is still read, and taken on trust.
         let v2 = LeaseFile {
             checkpoint: None,
+            holds: Vec::new(),
             ..sample()
         };
         let old = v2.encode(18);
@@ -996,6 +1046,13 @@ mod unit {
         let cut = &text[..text.len() - 4];
         assert!(matches!(
             LeaseFile::decode(cut, 18),
+            Err(FileError::Corrupt(_))
+        ));
+        // A hold line with a reason that is none.
+        let unknown = text.replace(" 851000000000000 1 -7\n", " 851000000000000 9 -7\n");
+        assert_ne!(unknown, text);
+        assert!(matches!(
+            LeaseFile::decode(&unknown, 18),
             Err(FileError::Corrupt(_))
         ));
         let garbled = text.replace("lease 5", "lease x");
