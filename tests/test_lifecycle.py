@@ -576,6 +576,30 @@ def test_after_a_promotion_a_cap_with_live_leases_is_held_back_and_reclaimed_the
         assert_hold_ends(standby, out, until)
 
 
+def test_a_standby_started_without_its_signal_file_is_a_crash_not_a_clean_start():
+    """A standby shut down cleanly wrote an empty lease file, so starting its data directory
+    without standby.signal (a primary made by hand instead of a promotion) was a clean start
+    with no lease: the old primary's leases were forgotten at once. A standby's shutdown now
+    writes no lease file, and that start is a crash: held back from the replicated horizons."""
+    with running("life_sb_primary") as primary, \
+            standby_of(primary, "life_sb_standby") as standby:
+        with primary.connect(DB) as p, standby.connect(DB) as s:
+            out = take(p, "jobs", 2, leases=1, ttl="1 min")
+            journaled = wait_journaled(p, "jobs", out.tokens, out.taken_at + JOURNAL_LAG)
+            wait_replayed(p, s)
+            primary.stop("immediate")
+        standby.stop("fast")
+        written = (standby.data / LEASE_FILE).exists()
+        (standby.data / "standby.signal").unlink()
+        standby.start()
+        wait_accepting(standby)
+        with standby.connect(DB) as s:
+            assert_held_back(s, out, "crash", "a standby started without standby.signal")
+            assert journaled, "no stage_e_lease_horizon"
+            assert_reclaims(s, out)
+        assert not written, f"a standby's shutdown wrote {LEASE_FILE}"
+
+
 # -- 4. recovery_hold --------------------------------------------------------------------------
 
 def test_recovery_hold_holds_back_a_session_cap_with_a_counter_row_after_a_crash():
