@@ -78,8 +78,13 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
         // After a crash or a promotion, every database is loaded now, so that the caps held
         // back are held (and logged) from the start, not at their first use.
         BackgroundWorker::transaction(|| {
+            let mut taken = true;
             for db in session::connectable_databases() {
-                shmem::request_load(db);
+                taken &= shmem::request_load(db);
+            }
+            // Once they are loaded, a clean shutdown may carry the holds over (`persist`).
+            if taken {
+                shmem::note_loads_requested();
             }
         });
     }

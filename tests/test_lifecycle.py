@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -485,6 +486,71 @@ def test_a_backend_crash_reset_and_an_immediate_stop_are_crashes_too():
                 assert wait_journaled(s, "jobs", out.tokens, reclaimed + JOURNAL_LAG)
 
 
+def test_after_a_crash_a_cap_is_held_back_for_its_live_leases_not_the_longest_ever():
+    """Issue 35: a lease of 120 s taken and released at once, then a short lease kept renewed,
+    held the whole cap back for about 120 s after a backend crash: the durable horizon stayed
+    at the longest lease ever granted for as long as any lease was live. The flusher now brings
+    it down to the leases that may be live (in a journal write it makes anyway): after the
+    crash the cap is held back until the short lease's expiry plus the margin and one step
+    (4 s), no longer, and no shorter."""
+    ttl, step = timedelta(seconds=5), timedelta(seconds=4)
+    with running("life_lowered") as c:
+        with c.connect(DB) as s:
+            assert release_lease(s, "jobs", *lease(s, "jobs", 2, "120 s")) is True
+            [(slot, token)] = [lease(s, "jobs", 2, ttl)]
+
+            def come_down():
+                assert renew(s, "jobs", slot, token, ttl) is True
+                h = one(s, "SELECT horizon FROM stage_e_lease_horizon WHERE cap = 'jobs'")
+                return h is not None and h <= server_now(s) + ttl + MARGIN + step
+            wait_for(come_down, timeout=15, interval=0.5,
+                     what="the horizon of jobs to come down to its short lease")
+            [h] = holders(s, "jobs")
+            assert h["token"] == token
+            assert wait_journaled(s, "jobs", [token])
+            renewed_at = server_now(s)
+            backend_crash(c)
+        with c.connect(DB) as s:
+            [(cap, until, why)] = held_back(s)
+            assert (cap, why) == ("jobs", "crash")
+            assert until >= h["expires_at"] + MARGIN, (until, h)
+            print(f"\nheld back until {until - renewed_at} after the last renewal")
+            latest = renewed_at + ttl + MARGIN + step + timedelta(seconds=1)
+            assert until <= latest, (
+                f"held back until {until}, {until - renewed_at} after the last renewal: longer "
+                f"than the live lease's {ttl} plus the margin and a step")
+
+
+def test_a_clean_restart_while_a_cap_is_held_back_keeps_the_hold():
+    """Found with issue 35's item 2: after a crash a cap is held back until its durable
+    horizon, since a lease the journal missed may still be live; a clean restart before then
+    wrote a lease file without the hold, the next start trusted it as clean, and the cap handed
+    out its free slots at once. The file now carries the hold (written once every database is
+    loaded, so that every hold is known; until then the next start is a crash again): each
+    restart holds the cap back until the same time, and its holder still reclaims."""
+    with running("life_hold_kept") as c:
+        with c.connect(DB) as s:
+            out = take(s, "jobs", 2, leases=1, ttl="1 min")
+            journaled = wait_journaled(s, "jobs", out.tokens, out.taken_at + JOURNAL_LAG)
+        crash_restart(c)
+        with c.connect(DB) as s:
+            until = assert_held_back(s, out, "crash")
+        # The shutdown carries the hold once every database is loaded (the launcher asks for
+        # them all at the crash start): a restart or two.
+        for _ in range(3):
+            since, lease_file = clean_restart(c)
+            with c.connect(DB) as s:
+                assert assert_held_back(s, out, "crash", "a clean restart while held") == until
+            if "restored 1 lease(s) and 1 hold(s)" in c.log_text()[since:]:
+                break
+        else:
+            pytest.fail("no clean restart carried the hold in the lease file")
+        with c.connect(DB) as s:
+            assert journaled, "no stage_e_lease_horizon"
+            assert_reclaims(s, out)
+        assert lease_file
+
+
 # -- 3. promotion ------------------------------------------------------------------------------
 
 def test_after_a_promotion_a_cap_with_live_leases_is_held_back_and_reclaimed_there():
@@ -508,6 +574,30 @@ def test_after_a_promotion_a_cap_with_live_leases_is_held_back_and_reclaimed_the
             assert_hold_is_kept(s, out)
             assert_logged_hold(standby, since, "jobs", "promotion", until)
         assert_hold_ends(standby, out, until)
+
+
+def test_a_standby_started_without_its_signal_file_is_a_crash_not_a_clean_start():
+    """A standby shut down cleanly wrote an empty lease file, so starting its data directory
+    without standby.signal (a primary made by hand instead of a promotion) was a clean start
+    with no lease: the old primary's leases were forgotten at once. A standby's shutdown now
+    writes no lease file, and that start is a crash: held back from the replicated horizons."""
+    with running("life_sb_primary") as primary, \
+            standby_of(primary, "life_sb_standby") as standby:
+        with primary.connect(DB) as p, standby.connect(DB) as s:
+            out = take(p, "jobs", 2, leases=1, ttl="1 min")
+            journaled = wait_journaled(p, "jobs", out.tokens, out.taken_at + JOURNAL_LAG)
+            wait_replayed(p, s)
+            primary.stop("immediate")
+        standby.stop("fast")
+        written = (standby.data / LEASE_FILE).exists()
+        (standby.data / "standby.signal").unlink()
+        standby.start()
+        wait_accepting(standby)
+        with standby.connect(DB) as s:
+            assert_held_back(s, out, "crash", "a standby started without standby.signal")
+            assert journaled, "no stage_e_lease_horizon"
+            assert_reclaims(s, out)
+        assert not written, f"a standby's shutdown wrote {LEASE_FILE}"
 
 
 # -- 4. recovery_hold --------------------------------------------------------------------------
@@ -644,6 +734,91 @@ def test_a_corrupt_lease_file_is_ignored_and_the_start_treated_as_a_crash():
             assert logged, f"no LOG line about {LEASE_FILE}"
             assert_logged_hold(c, since, "jobs", "crash", until)
         assert written, f"no {LEASE_FILE} after the clean shutdown"
+
+
+def failed_start(c):
+    """A start that fails after shared memory is made: pg_hba.conf has a line the postmaster
+    cannot load (it reads the file after making shared memory, before starting anything).
+    The file is put back as it was. Returns the log text of the failed start."""
+    hba = c.data / "pg_hba.conf"
+    good = hba.read_text()
+    hba.write_text(good + "local all all not_a_method\n")
+    since = len(c.log_text())
+    try:
+        with pytest.raises(subprocess.CalledProcessError):
+            c.start()
+    finally:
+        hba.write_text(good)
+    wait_for(lambda: not (c.data / "postmaster.pid").exists(), timeout=30,
+             what="the failed postmaster to exit")
+    log = c.log_text()[since:]
+    assert re.search(r"FATAL:  could not load \S*pg_hba.conf", log), log[-2000:]
+    return log
+
+
+def test_a_start_that_fails_after_shared_memory_is_made_loses_nothing():
+    """Issue 35: a clean stop, then a start that fails after shared memory is made (a typo in
+    pg_hba.conf), read and deleted the lease and pending files and wrote nothing back: the next
+    good start lost the pending counts and treated the lease as after a crash. Now both files
+    are there after the failed start, and the next start is clean: the lease is kept exactly,
+    nothing is held back, and the counts reach the table."""
+    # Counts stay pending until the shutdown writes them to the file (no flush before).
+    with running("life_failed_start", {"stage_e_slots.flush_interval": "'1h'"}) as c:
+        with c.connect(DB) as s:
+            out = take(s, "jobs", 1, leases=1, ttl="10 min")
+            for _ in range(2):
+                assert one(s, "SELECT stage_e_release('sess', stage_e_try_slot('sess', 1))")
+        c.stop("fast")
+        failed_start(c)
+        kept = {name: (c.data / "pg_stat" / name).exists()
+                for name in ("stage_e_slots.leases", "stage_e_slots.pending")}
+        since = start_stopped(c)
+        with c.connect(DB) as s:
+            got = [(h["slot"], h["token"], h["expires_at"]) for h in holders(s, "jobs")]
+            assert got == out.leases, "the lease was not kept exactly"
+            assert held_back(s) == []
+            assert lease(s, "jobs", 1, "1 min") == (None, None)  # still full
+            s.execute("SELECT stage_e_flush()")
+            assert one(s, "SELECT acquired FROM stage_e_throttle_counter "
+                          "WHERE cap = 'sess'") == 2, "the pending counts were lost"
+        assert not held_lines(c.log_text()[since:], "jobs")
+        assert kept == {"stage_e_slots.leases": True, "stage_e_slots.pending": True}, kept
+
+
+def test_an_older_copy_of_the_lease_file_put_back_is_not_trusted():
+    """Issue 35: an operator who put back an older copy of the lease file (a restore of
+    pg_stat/) made a clean start forget a live lease whose durable horizon was still ahead, and
+    its slot went to another session at once. The file now names the shutdown that wrote it:
+    an older copy is ignored with a LOG line and the start is a crash (held back, reclaimable)."""
+    with running("life_old_copy") as c:
+        c.stop("fast")
+        older = (c.data / LEASE_FILE).read_bytes()  # no lease in it
+        c.start()
+        wait_accepting(c)
+        with c.connect(DB) as s:
+            out = take(s, "jobs", 1, leases=1, ttl="2 min")
+            journaled = wait_journaled(s, "jobs", out.tokens, out.taken_at + JOURNAL_LAG)
+        c.stop("fast")
+        (c.data / LEASE_FILE).write_bytes(older)
+        since = start_stopped(c)
+        with c.connect(DB) as s:
+            until = assert_held_back(s, out, "crash", "an older lease file put back")
+            assert journaled, "no stage_e_lease_horizon"
+            assert_reclaims(s, out)
+            assert_logged_hold(c, since, "jobs", "crash", until)
+        assert re.search(r"LOG:  stage_e_slots: ignoring pg_stat/stage_e_slots.leases: it was "
+                         r"written at the shutdown checkpoint \S+, not at the last clean "
+                         r"shutdown's", c.log_text()[since:]), c.log_text()[since:][-2000:]
+
+
+def start_stopped(c):
+    """Starts a cluster that was stopped cleanly (no crash recovery: the control file says
+    so) and waits for it. Returns the log offset of the start."""
+    since = len(c.log_text())
+    c.start()
+    assert "not properly shut down" not in c.log_text()[since:]
+    wait_accepting(c)
+    return since
 
 
 def test_files_from_another_major_are_ignored_with_a_log_line_never_trusted():

@@ -17,7 +17,19 @@
 //! an advance and waits for its commit. The row's horizon is never written below a live lease's
 //! expiry plus the margin, nor below the cap's hold.
 //!
-//! **Holds.** `held_until` is set once, by the loader, before the database is marked loaded;
+//! **Lowered.** While leases are live, the row follows them, not the longest lease ever granted:
+//! when the flusher writes a cap's row anyway (its journal, after a lease changed) and the
+//! committed horizon is more than a step above what the live leases need
+//! (`lifecycle::lowered`: the latest expiry plus the margin and a step), it first lowers the
+//! committed horizon in shared memory to that (`lifecycle::lower`: every later grant or renewal
+//! checks against the lower value, and those that read the higher one are waited out through
+//! `granting`, which renewals raise too), then reads the live leases and writes a row no lower
+//! than the lowered value nor any of them. So a crash holds a cap back about as long as its
+//! live leases may live, and lowering adds no row write of its own. A held cap, or one with an
+//! advance asked for, is not lowered; in doubt (a grant stalled mid-way) the horizon stays.
+//!
+//! **Holds.** `held_until` is set once, by the loader, before the database is marked loaded
+//! (or at start, from the lease file, when a clean shutdown carried a hold over: `persist`);
 //! no backend acquires in a database before it is loaded (`loaded`), so every acquisition sees
 //! the hold. A held cap is not idle, so it is not reclaimed while held.
 
@@ -173,7 +185,11 @@ impl Cap {
         let quiet = e.may_quiet(now) && self.close();
         // The count first: a change made while the leases are read is written next time.
         let changes = d.lease_changes.load(Ordering::Acquire);
-        let live = self.leases();
+        let mut live = self.leases();
+        if !quiet && self.lower(now, &live, margin_us) {
+            // Read again: every lease that relied on the higher horizon is recorded now.
+            live = self.leases();
+        }
         let last = last_token();
         let floor = d.floor.load(Ordering::Acquire);
         let horizon = if quiet {
@@ -223,6 +239,36 @@ impl Cap {
             || self.lease_count(),
             std::hint::spin_loop,
         )
+    }
+
+    /// Lowers the committed horizon (see "Lowered") if the leases `live` at `now` need much
+    /// less; true if it did (the caller reads the live leases again before writing).
+    fn lower(&self, now: i64, live: &[super::LeaseInfo], margin_us: i64) -> bool {
+        let e = self.entry();
+        let d = &e.durable;
+        let Some(latest) = live.iter().map(|l| l.expires_at).max() else {
+            return false; // no lease: a quiet cap's case
+        };
+        let from = d.horizon.load(Ordering::Acquire);
+        if e.held_at(now) || d.horizon_wanted.load(Ordering::Acquire) > from {
+            return false;
+        }
+        let Some(to) = lifecycle::lowered(from, latest, margin_us) else {
+            return false;
+        };
+        // Wishes met by the higher horizon go; one raised meanwhile is read after the wait.
+        let asked = d.horizon_wanted.swap(0, Ordering::SeqCst);
+        if lifecycle::lower(
+            &d.horizon,
+            &e.counters.granting,
+            from,
+            to,
+            std::hint::spin_loop,
+        ) {
+            return true;
+        }
+        d.horizon_wanted.fetch_max(asked, Ordering::AcqRel);
+        false
     }
 
     /// The flusher, after its transaction committed: the row now holds `horizon` and `floor`

@@ -124,6 +124,30 @@ pub fn loaded(db: u32) -> Option<bool> {
     }
 }
 
+/// The launcher, after a start that holds caps back: it has asked for every database to be
+/// loaded (each request was taken).
+pub fn note_loads_requested() {
+    if let Some(seg) = segment() {
+        seg.header
+            .lifecycle
+            .loads_requested
+            .store(1, Ordering::Release);
+    }
+}
+
+/// Whether every database has been loaded since the segment was made, after the launcher
+/// asked for all of them: then every hold there is to be is in shared memory.
+pub(super) fn all_loaded() -> bool {
+    segment().is_some_and(|seg| {
+        let l = &seg.header.lifecycle;
+        l.loads_requested.load(Ordering::Acquire) == 1
+            && l.dbs.iter().all(|r| {
+                r.oid.load(Ordering::Acquire) == 0
+                    || matches!(r.state.load(Ordering::Acquire), LOADED | LOADED_WITH_TABLE)
+            })
+    })
+}
+
 /// A backend asks for database `db` to be loaded; false when the table of databases is full.
 pub fn request_load(db: u32) -> bool {
     let Some(r) = record(db, true) else {

@@ -19,7 +19,8 @@
 //!   `databases_with_waiting_calls`, `durable_watch`;
 //! - the databases' table: `loaded`, `request_load`, `mark_loaded`, `databases_to_load`,
 //!   `recorded_databases`, `request_advance`, `advance_requested`, `flusher_commits`,
-//!   `note_flusher_commit`, `start_kind`, `note_recovered`, `recovered_at`, `MAX_DATABASES`;
+//!   `note_flusher_commit`, `start_kind`, `note_recovered`, `recovered_at`,
+//!   `note_loads_requested`, `MAX_DATABASES`;
 //! - the launcher: `launcher_wakeup`, `next_flush_id`;
 //! - the segment: `init` (the hooks, from `_PG_init`), `attached`.
 //!
@@ -71,8 +72,8 @@ pub use committed::{
 pub use counters::Flushed;
 pub use databases::{
     advance_requested, databases_to_load, flusher_commits, loaded, mark_loaded,
-    note_flusher_commit, note_recovered, recorded_databases, recovered_at, request_advance,
-    request_load, start_kind,
+    note_flusher_commit, note_loads_requested, note_recovered, recorded_databases, recovered_at,
+    request_advance, request_load, start_kind,
 };
 pub use launcher::{launcher_wakeup, next_flush_id};
 pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo, LeaseRefused};

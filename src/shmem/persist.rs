@@ -3,14 +3,31 @@
 //! `segment`), as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
 //! `stage_e_core::counters::{encode, decode}` and `stage_e_core::lifecycle::LeaseFile`.
 //!
-//! Only the postmaster touches the files: at a clean shutdown (exit code 0, and a control file
-//! that says "shut down": an immediate shutdown also exits with 0, but like a crash it kills
-//! the backends mid-way and writes no shutdown checkpoint) every backend and worker is gone, so
-//! each cap's pending counts, token counter and leases are final; at start (and after a crash
-//! reset) no backend runs yet. A crash writes nothing: at most one flush
-//! interval of counts is lost, as documented, and the leases are covered by the durable horizon
-//! instead (`committed`). Each file is removed once read, so it is never applied twice, and a
-//! crash after a clean start finds no lease file: that is how a crash is told from a clean start.
+//! Only the postmaster touches the files: at a clean shutdown (a control file that says "shut
+//! down": an immediate shutdown exits like a clean one, but like a crash it kills the backends
+//! mid-way and writes no shutdown checkpoint) every backend and worker is gone, so each cap's
+//! pending counts, token counter and leases are final; at start (and after a crash reset) no
+//! backend runs yet. A crash writes nothing: at most one flush interval of counts is lost, as
+//! documented, and the leases are covered by the durable horizon instead (`committed`).
+//!
+//! **Nothing is lost to a start that fails.** The control file tells the postmaster's exit
+//! whether its server ever came up: unchanged since the segment was made (state, checkpoint,
+//! time), no startup process ran, so no process used what was restored and shared memory holds
+//! exactly what the files said (a start that fails after shared memory is made: a bad
+//! pg_hba.conf). Such an exit writes both files back, whatever its exit code.
+//!
+//! **Pending file**: removed once read, so it is never applied twice (its counts are in shared
+//! memory, written back at a clean shutdown or a start that fails; a crash loses them).
+//!
+//! **Lease file**: stamped with the checkpoint of the clean shutdown that wrote it, and trusted
+//! only by a start whose control file says "shut down" at that same checkpoint: so it is
+//! kept where it is (a failed start leaves it for the next), a crash after the start that read
+//! it finds the control file "in production" (the start is a crash), and an older copy put back
+//! names an older checkpoint (ignored with a LOG line: a crash, held back). A file of 0.9.0 or
+//! earlier has no stamp: removed once read, as those versions did, and trusted. The file also
+//! carries the holds of a crash or a promotion not yet ended, so a clean restart keeps them;
+//! a server that began so writes it only once every database is loaded (all its holds are
+//! known), else its next start is a crash again.
 
 use super::caps::{create_at_start, restore_at_start};
 use super::databases;
@@ -19,9 +36,13 @@ use super::segment::{self, segment, Segment};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
-use stage_e_core::lifecycle::{self, LeaseFile, SavedLease, StartKind};
+use stage_e_core::lifecycle::{self, Checkpoint, LeaseFile, SavedHold, SavedLease, StartKind};
+use std::sync::Mutex;
 
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
+
+/// The postmaster's: what the control file said when the segment was made (compared at exit).
+static SEGMENT_MADE_AT: Mutex<Option<Control>> = Mutex::new(None);
 
 /// Registers the hooks; called from `_PG_init` while preloading, after the GUCs are defined.
 pub fn init() {
@@ -52,7 +73,9 @@ unsafe extern "C-unwind" fn shmem_startup() {
         // leases saved at the last clean shutdown, and save them again at the next one.
         // Leases first: they bind, so a pending file too large for a smaller max_caps must
         // not keep them out (what does not fit of the counts is kept for later instead).
-        let kind = restore_leases(seg);
+        let control = control();
+        *SEGMENT_MADE_AT.lock().unwrap_or_else(|e| e.into_inner()) = control;
+        let kind = restore_leases(seg, control);
         restore_pending(seg);
         databases::set_start_kind(kind);
         save_at_shutdown();
@@ -142,15 +165,15 @@ fn read_pending(remove: bool) -> Option<Vec<Carried>> {
 /// At start: how this segment begins. After a clean shutdown of a primary, its leases and
 /// token counters are put back exactly; a standby (or an archive recovery) takes none, since
 /// its end is a promotion and the durable horizon covers that.
-pub(super) fn restore_leases(seg: &Segment) -> StartKind {
+pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKind {
     // Bytes first: a file that is not even text is corrupt, not missing.
     let text = std::fs::read(LEASE_FILE).map(|b| String::from_utf8_lossy(&b).into_owned());
-    let _ = std::fs::remove_file(LEASE_FILE);
     let standby = ["standby.signal", "recovery.signal"]
         .iter()
         .any(|f| std::path::Path::new(f).exists());
     if standby {
         if text.is_ok() {
+            let _ = std::fs::remove_file(LEASE_FILE);
             pgrx::log!(
                 "stage_e_slots: not restoring the leases of {LEASE_FILE}: this server starts \
                  in recovery; they are held back from the durable lease horizon when it is \
@@ -162,9 +185,16 @@ pub(super) fn restore_leases(seg: &Segment) -> StartKind {
     let Ok(text) = text else {
         return StartKind::Crash;
     };
-    let file = match LeaseFile::decode(&text, major()) {
+    // Not shut down cleanly since the file was written: the start that read it came up, and
+    // what it granted since is not in it. The usual crash, said by the held-back caps' lines.
+    let Some(last) = control.filter(|c| c.shut_down()).map(|c| c.at) else {
+        let _ = std::fs::remove_file(LEASE_FILE);
+        return StartKind::Crash;
+    };
+    let file = match LeaseFile::decode(&text, major()).and_then(|f| f.check(last).map(|()| f)) {
         Ok(file) => file,
         Err(e) => {
+            let _ = std::fs::remove_file(LEASE_FILE);
             pgrx::log!(
                 "stage_e_slots: ignoring {LEASE_FILE}: {e}; starting as after a crash (caps \
                  whose durable lease horizon is in the future are held back until it)"
@@ -172,6 +202,11 @@ pub(super) fn restore_leases(seg: &Segment) -> StartKind {
             return StartKind::Crash;
         }
     };
+    if file.checkpoint.is_none() {
+        // 0.9.0's file cannot tell a later start from this one; the exit writes it back
+        // (stamped) if this start fails.
+        let _ = std::fs::remove_file(LEASE_FILE);
+    }
     seg.header.tokens.raise(file.last_token);
     let mut lost = 0;
     for l in &file.leases {
@@ -184,19 +219,28 @@ pub(super) fn restore_leases(seg: &Segment) -> StartKind {
             lost += 1;
         }
     }
+    // The holds a crash or a promotion left that had not ended at the shutdown.
+    for h in &file.holds {
+        let key = h.key.unwrap_or_else(|| super::caps::first_key(&h.cap));
+        match restore_at_start(seg, h.database, &h.cap, key, 1) {
+            Ok(cap) => cap.hold(h.until, h.reason),
+            Err(_) => lost += 1,
+        }
+    }
     if lost > 0 {
         // Fail closed: what could not be put back is covered by the durable horizon.
         pgrx::log!(
-            "stage_e_slots: could not restore {lost} of the {} leases of {LEASE_FILE}; starting \
-             as after a crash",
-            file.leases.len()
+            "stage_e_slots: could not restore {lost} of the {} leases and holds of \
+             {LEASE_FILE}; starting as after a crash",
+            file.leases.len() + file.holds.len()
         );
         return StartKind::Crash;
     }
-    if !file.leases.is_empty() {
+    if !(file.leases.is_empty() && file.holds.is_empty()) {
         pgrx::log!(
-            "stage_e_slots: restored {} lease(s) from {LEASE_FILE}",
-            file.leases.len()
+            "stage_e_slots: restored {} lease(s) and {} hold(s) from {LEASE_FILE}",
+            file.leases.len(),
+            file.holds.len()
         );
     }
     StartKind::Clean
@@ -209,25 +253,64 @@ pub(super) fn save_at_shutdown() {
 }
 
 #[pgrx::pg_guard]
-unsafe extern "C-unwind" fn save_at_exit(code: i32, _arg: pg_sys::Datum) {
-    if code != 0 || !shut_down_cleanly() {
-        return;
-    }
+unsafe extern "C-unwind" fn save_at_exit(_code: i32, _arg: pg_sys::Datum) {
     let Some(seg) = segment() else { return };
-    save_pending(seg);
-    save_leases(seg);
+    let made_at = *SEGMENT_MADE_AT.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(now) = control() else { return };
+    // Whatever the exit code (a start that fails exits with 1): see "Nothing is lost".
+    let never_up = made_at == Some(now);
+    if now.shut_down_in_any_way() || never_up {
+        save_pending(seg);
+    }
+    // Only the leases of a clean shutdown, or those restored exactly by a start that then
+    // failed: a crash start that failed has no hold loaded, and its next start is a crash too.
+    // After a crash or a promotion, the holds go into the file too, so only once every
+    // database is loaded (every hold there is to be is known); before that the next start is
+    // a crash again, and holds back from the durable horizons.
+    let kind = databases::start_kind();
+    let restored = never_up && kind == StartKind::Clean;
+    let holds_known = !kind.holds() || databases::all_loaded();
+    if now.shut_down() && (!never_up || restored) && holds_known {
+        save_leases(seg, now.at);
+    }
 }
 
-/// Whether the control file says the server shut down cleanly (a smart or fast shutdown's
-/// checkpoint, written before the postmaster exits).
-fn shut_down_cleanly() -> bool {
-    use pg_sys::DBState::{DB_SHUTDOWNED, DB_SHUTDOWNED_IN_RECOVERY};
+/// What the control file says: where the last checkpoint is (and of which cluster), its state
+/// and when it was last updated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Control {
+    at: Checkpoint,
+    state: pg_sys::DBState::Type,
+    time: i64,
+}
+
+impl Control {
+    /// A clean shutdown of a primary (its checkpoint is the shutdown checkpoint).
+    fn shut_down(&self) -> bool {
+        self.state == pg_sys::DBState::DB_SHUTDOWNED
+    }
+
+    /// A clean shutdown of a primary or of a standby.
+    fn shut_down_in_any_way(&self) -> bool {
+        self.shut_down() || self.state == pg_sys::DBState::DB_SHUTDOWNED_IN_RECOVERY
+    }
+}
+
+/// The control file now, or None if it cannot be read or its checksum is wrong.
+fn control() -> Option<Control> {
     let mut crc_ok = false;
     // SAFETY: as pg_control_system() does: DataDir is the postmaster's data directory, and
     // get_controlfile reads pg_control into palloc'd memory, read at once.
     unsafe {
         let cf = pg_sys::get_controlfile(pg_sys::DataDir, &mut crc_ok);
-        crc_ok && !cf.is_null() && matches!((*cf).state, DB_SHUTDOWNED | DB_SHUTDOWNED_IN_RECOVERY)
+        (crc_ok && !cf.is_null()).then(|| Control {
+            at: Checkpoint {
+                system: (*cf).system_identifier,
+                lsn: (*cf).checkPoint,
+            },
+            state: (*cf).state,
+            time: (*cf).time,
+        })
     }
 }
 
@@ -262,11 +345,15 @@ fn save_pending(seg: &Segment) {
 
 /// Always written at a clean shutdown, also with no lease: its presence marks the start as
 /// clean.
-fn save_leases(seg: &Segment) {
+fn save_leases(seg: &Segment, at: Checkpoint) {
     let mut file = LeaseFile {
+        checkpoint: Some(at),
         last_token: seg.header.tokens.last(),
         leases: Vec::new(),
+        holds: Vec::new(),
     };
+    // SAFETY: reads the clock.
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
     for (i, e) in seg.entries.iter().enumerate() {
         if !e.in_use() {
             continue;
@@ -285,11 +372,23 @@ fn save_leases(seg: &Segment) {
                 owner: l.owner,
                 key: Some(cap.key()),
             }));
+        if let Some((until, reason)) = cap.held_until(now) {
+            file.holds.push(SavedHold {
+                database: cap.database(),
+                cap: cap.name(),
+                key: Some(cap.key()),
+                until,
+                reason,
+            });
+        }
     }
-    if write_file(LEASE_FILE, &file.encode(major())) && !file.leases.is_empty() {
+    if write_file(LEASE_FILE, &file.encode(major()))
+        && !(file.leases.is_empty() && file.holds.is_empty())
+    {
         pgrx::log!(
-            "stage_e_slots: saved {} lease(s) to {LEASE_FILE}",
-            file.leases.len()
+            "stage_e_slots: saved {} lease(s) and {} hold(s) to {LEASE_FILE}",
+            file.leases.len(),
+            file.holds.len()
         );
     }
 }

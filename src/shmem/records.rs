@@ -189,6 +189,9 @@ pub(super) struct Lifecycle {
     /// When recovery ended (the launcher's first start on this segment): a crash's or a
     /// promotion's time for `stage_e_slots.recovery_hold`.
     pub(super) recovered_at: AtomicI64,
+    /// Set by the launcher once it has asked for every database to be loaded after a start
+    /// that holds caps back (`databases::all_loaded`).
+    pub(super) loads_requested: AtomicU32,
     pub(super) dbs: [DbRecord; MAX_DATABASES],
 }
 

@@ -728,20 +728,29 @@ pub fn settle_lease(
         }
     }
     let mut now = session::now();
-    let mut extend_to = ttl_us.map(|t| now.saturating_add(t));
-    if let (Some(t), Some(ttl)) = (extend_to, ttl_us) {
-        // A renewal, too, only to an expiry the committed horizon covers; a renewal that will
-        // fail (another token, an expired lease) waits for nothing.
-        let renewable = || {
-            cap.lease_of(slot)
-                .is_some_and(|l| l.token == token as u64 && l.expires_at > now)
-        };
-        if admission::has_horizon() && renewable() && admission::check_room(&cap, t, 0).is_err() {
+    // A renewal, too, only to an expiry the committed horizon covers; a renewal that will fail
+    // (another token, an expired lease) waits for nothing. Like a grant, it counts in the cap's
+    // `granting` from its check until its record (`_granting`, dropped on return), so that a
+    // lowering of the horizon waits for it (`shmem::committed`, "Lowered").
+    let mut _granting = None;
+    if let Some(ttl) = ttl_us {
+        loop {
+            let guard = cap.begin_grant();
+            let t = now.saturating_add(ttl);
+            let renewable = cap
+                .lease_of(slot)
+                .is_some_and(|l| l.token == token as u64 && l.expires_at > now);
+            if !(admission::has_horizon() && renewable) || admission::check_room(&cap, t, 0).is_ok()
+            {
+                _granting = Some(guard);
+                break;
+            }
+            drop(guard);
             admission::wait_for_room(&cap, t, 0)?;
             now = session::now();
-            extend_to = Some(now.saturating_add(ttl));
         }
     }
+    let extend_to = ttl_us.map(|t| now.saturating_add(t));
     Ok(match cap.settle_lease(slot, token as u64, now, extend_to) {
         shmem::LeaseCheck::Live(info) => {
             if releasing {

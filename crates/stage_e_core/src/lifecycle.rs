@@ -2,6 +2,10 @@
 //! the durable lease horizon and token floor, how a start is classified, and the two files and
 //! the journal format that carry leases over.
 //!
+//! **Lease file.** Written at a clean shutdown, stamped with that shutdown's checkpoint
+//! ([`Checkpoint`]): it is exact for the start right after that shutdown and for no other
+//! ([`LeaseFile::check`]), so a copy put back later is known and the start is a crash.
+//!
 //! **Horizon.** A lease (or a renewal) with expiry `E` may be granted only while
 //! `E + margin ≤ horizon`, where `horizon` is the last *committed* value of the cap's row: so
 //! after a crash or a promotion, holding the cap back until `horizon` outlasts every lease the
@@ -133,22 +137,64 @@ pub fn close(
     horizon: &AtomicI64,
     granting: &AtomicU32,
     leases: impl Fn() -> u32,
-    mut nap: impl FnMut(),
+    nap: impl FnMut(),
 ) -> bool {
     let before = horizon.swap(0, Ordering::SeqCst);
-    let mut looks = 0;
-    while granting.load(Ordering::SeqCst) > 0 {
-        looks += 1;
-        if looks > 100_000 {
-            break; // a grant stalled mid-way (it is a few stores): stay open
-        }
-        nap();
-    }
-    if granting.load(Ordering::SeqCst) == 0 && leases() == 0 {
+    if drained(granting, nap) && leases() == 0 {
         return true;
     }
     horizon.fetch_max(before, Ordering::AcqRel);
     false
+}
+
+/// The horizon a cap's row may come down to while it has live leases, the latest of whose
+/// expiries is `latest_expiry`: what an advance for that lease writes. Some only when the
+/// committed `horizon` is more than a step above it (a longer lease has ended since): the row
+/// then follows the leases that may be live, not the longest ever granted, so that a crash
+/// holds the cap back no longer than they may live.
+pub fn lowered(horizon: i64, latest_expiry: i64, margin_us: i64) -> Option<i64> {
+    let to = advance_target(latest_expiry, margin_us);
+    (horizon > to.saturating_add(HORIZON_STEP_US)).then_some(to)
+}
+
+/// Lowers the committed `horizon` (in shared memory) from `from` to `to`, so that the row may
+/// be written down to `to`: every later grant or renewal checks against `to`, and those that
+/// read `from` are waited out (`granting`, Dekker-style as in [`close`]). True then: every
+/// lease that relied on `from` is recorded, so the caller reads the live leases *after* this
+/// and writes a row no lower than `to` nor than any of them. False, with `from` back, if the
+/// horizon moved meanwhile or a grant stalled mid-way.
+pub fn lower(
+    horizon: &AtomicI64,
+    granting: &AtomicU32,
+    from: i64,
+    to: i64,
+    nap: impl FnMut(),
+) -> bool {
+    if horizon
+        .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst)
+        .is_err()
+    {
+        return false;
+    }
+    if drained(granting, nap) {
+        return true;
+    }
+    horizon.fetch_max(from, Ordering::AcqRel);
+    false
+}
+
+/// Waits until no grant is between its room check and its lease record; false if one stalls
+/// mid-way (it is a few stores: give up rather than wait on it).
+fn drained(granting: &AtomicU32, mut nap: impl FnMut()) -> bool {
+    let mut looks = 0;
+    while granting.load(Ordering::SeqCst) > 0 {
+        looks += 1;
+        if looks > 100_000 {
+            return false;
+        }
+        nap();
+    }
+    true
 }
 
 /// How this server's shared memory began (decided once per initialisation by the postmaster).
@@ -275,16 +321,52 @@ pub struct SavedLease {
     pub key: Option<i32>,
 }
 
-/// The lease file of a clean shutdown: the server's last token and every live lease.
+/// Which clean shutdown a lease file belongs to: the cluster's system identifier and the LSN of
+/// the shutdown checkpoint in the control file when it was written. The file speaks for the
+/// start right after that shutdown only: one whose control file says "shut down" at this same
+/// checkpoint. Any other start (a crash since, or an older copy put back) cannot trust it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub system: u64,
+    pub lsn: u64,
+}
+
+impl std::fmt::Display for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:X}/{:X}", self.lsn >> 32, self.lsn as u32)
+    }
+}
+
+/// A cap held back at a clean shutdown (after a crash or a promotion, its hold had not ended):
+/// the next start holds it back as long, since leases the crashed server granted but its
+/// journal missed may still be live, and only the hold keeps their slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedHold {
+    pub database: u32,
+    pub cap: String,
+    pub key: Option<i32>,
+    pub until: i64,
+    pub reason: HoldReason,
+}
+
+/// The lease file of a clean shutdown: the server's last token, every live lease and every
+/// hold.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LeaseFile {
+    /// None in a file written before 0.9.1 (v1 and v2), which has no stamp.
+    pub checkpoint: Option<Checkpoint>,
     pub last_token: u64,
     pub leases: Vec<SavedLease>,
+    /// Since 0.9.1 (v3).
+    pub holds: Vec<SavedHold>,
 }
 
 const LEASE_FILE_HEADER_V1: &str = "stage_e_slots leases v1";
 /// Since 0.7.0 each lease line ends with its cap's lock key.
-const LEASE_FILE_HEADER: &str = "stage_e_slots leases v2";
+const LEASE_FILE_HEADER_V2: &str = "stage_e_slots leases v2";
+/// Since 0.9.1 a `checkpoint` line says which clean shutdown wrote the file, and `hold` lines
+/// carry the holds not yet ended.
+const LEASE_FILE_HEADER: &str = "stage_e_slots leases v3";
 
 /// Why a saved file is not used.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -293,6 +375,12 @@ pub enum FileError {
     OtherMajor(u32),
     /// Not in the expected format (the line, counted from 1).
     Corrupt(usize),
+    /// Written at another clean shutdown than the last one (an older copy put back), or by
+    /// another cluster: what it says may no longer be all that is live.
+    OtherShutdown {
+        written: Checkpoint,
+        last: Checkpoint,
+    },
 }
 
 impl std::fmt::Display for FileError {
@@ -300,6 +388,16 @@ impl std::fmt::Display for FileError {
         match self {
             FileError::OtherMajor(m) => write!(f, "it was written by PostgreSQL {m}"),
             FileError::Corrupt(line) => write!(f, "line {line} is not in the expected format"),
+            FileError::OtherShutdown { written, last } if written.system != last.system => write!(
+                f,
+                "it was written by another cluster (system identifier {}, this one is {})",
+                written.system, last.system
+            ),
+            FileError::OtherShutdown { written, last } => write!(
+                f,
+                "it was written at the shutdown checkpoint {written}, not at the last clean \
+                 shutdown's ({last}): it is an older copy, and leases granted since are not in it"
+            ),
         }
     }
 }
@@ -342,12 +440,17 @@ fn unhex(h: &str) -> Option<String> {
 }
 
 impl LeaseFile {
-    /// The file's text, stamped with the server's major version.
+    /// The file's text, stamped with the server's major version (and its checkpoint, if any:
+    /// a file without one is written in the v2 format).
     pub fn encode(&self, major: u32) -> String {
-        let mut out = format!(
-            "{LEASE_FILE_HEADER}\nmajor {major}\ntokens {}\n",
-            self.last_token
-        );
+        let mut out = match self.checkpoint {
+            Some(c) => format!(
+                "{LEASE_FILE_HEADER}\nmajor {major}\ncheckpoint {} {}\n",
+                c.system, c.lsn
+            ),
+            None => format!("{LEASE_FILE_HEADER_V2}\nmajor {major}\n"),
+        };
+        let _ = writeln!(out, "tokens {}", self.last_token);
         for l in &self.leases {
             let _ = writeln!(
                 out,
@@ -362,6 +465,18 @@ impl LeaseFile {
                 l.key.map_or("-".to_string(), |k| k.to_string()),
             );
         }
+        // (A v2 file has no hold lines.)
+        for h in self.holds.iter().filter(|_| self.checkpoint.is_some()) {
+            let _ = writeln!(
+                out,
+                "hold {} {} {} {} {}",
+                h.database,
+                hex(&h.cap),
+                h.until,
+                h.reason as u32,
+                h.key.map_or("-".to_string(), |k| k.to_string()),
+            );
+        }
         out.push_str("end\n");
         out
     }
@@ -371,9 +486,10 @@ impl LeaseFile {
     pub fn decode(text: &str, major: u32) -> Result<LeaseFile, FileError> {
         let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l));
         let corrupt = |i: usize| FileError::Corrupt(i);
-        let keyed = match lines.next() {
-            Some((_, LEASE_FILE_HEADER)) => true,
-            Some((_, LEASE_FILE_HEADER_V1)) => false,
+        let (keyed, stamped) = match lines.next() {
+            Some((_, LEASE_FILE_HEADER)) => (true, true),
+            Some((_, LEASE_FILE_HEADER_V2)) => (true, false),
+            Some((_, LEASE_FILE_HEADER_V1)) => (false, false),
             other => return Err(corrupt(other.map_or(1, |(i, _)| i))),
         };
         let (i, stamp) = lines.next().ok_or(corrupt(2))?;
@@ -384,13 +500,29 @@ impl LeaseFile {
         if written_by != major {
             return Err(FileError::OtherMajor(written_by));
         }
-        let (i, tokens) = lines.next().ok_or(corrupt(3))?;
+        let checkpoint = if stamped {
+            let (i, line) = lines.next().ok_or(corrupt(3))?;
+            let parsed = match line.split(' ').collect::<Vec<_>>().as_slice() {
+                ["checkpoint", system, lsn] => system
+                    .parse()
+                    .ok()
+                    .zip(lsn.parse().ok())
+                    .map(|(system, lsn)| Checkpoint { system, lsn }),
+                _ => None,
+            };
+            Some(parsed.ok_or(corrupt(i))?)
+        } else {
+            None
+        };
+        let (i, tokens) = lines.next().ok_or(corrupt(3 + stamped as usize))?;
         let mut file = LeaseFile {
+            checkpoint,
             last_token: tokens
                 .strip_prefix("tokens ")
                 .and_then(|t| t.parse().ok())
                 .ok_or(corrupt(i))?,
             leases: Vec::new(),
+            holds: Vec::new(),
         };
         for (i, line) in lines {
             let w: Vec<&str> = line.split(' ').collect();
@@ -417,11 +549,35 @@ impl LeaseFile {
                         Some(())
                     })()
                 }
+                ["hold", db, name, until, reason, key] if stamped => (|| {
+                    file.holds.push(SavedHold {
+                        database: db.parse().ok()?,
+                        cap: unhex(name)?,
+                        key: match *key {
+                            "-" => None,
+                            k => Some(k.parse().ok()?),
+                        },
+                        until: until.parse().ok()?,
+                        reason: HoldReason::from_u32(reason.parse().ok()?)?,
+                    });
+                    Some(())
+                })(),
                 _ => None,
             };
             parsed.ok_or(corrupt(i))?;
         }
         Err(corrupt(text.lines().count() + 1))
+    }
+
+    /// Whether the file speaks for a start whose control file says the server shut down
+    /// cleanly at `last`: a stamped file only if it was written at that very shutdown; a file
+    /// of 0.9.0 or earlier (no stamp) is taken on trust, as those versions did, since only its
+    /// own shutdown could have written it unless a copy was put back.
+    pub fn check(&self, last: Checkpoint) -> Result<(), FileError> {
+        match self.checkpoint {
+            Some(written) if written != last => Err(FileError::OtherShutdown { written, last }),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -636,6 +792,132 @@ mod unit {
         );
     }
 
+    /// Issue 35: a horizon brought down to the leases that may be live (a long lease ended, a
+    /// short one kept) races grants, each preempted between its room check and its lease
+    /// record: the row is never below a live lease's expiry plus the margin (after a crash,
+    /// that lease would outlive the hold), shared memory's horizon is never above the row,
+    /// and the race actually runs.
+    #[test]
+    fn a_lowered_horizon_never_leaves_a_live_lease_uncovered() {
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        use std::sync::{Arc, Mutex};
+        const M: i64 = S / 5;
+        let clock = Arc::new(AtomicI64::new(1_000 * S));
+        let horizon = Arc::new(AtomicI64::new(0)); // committed, in shared memory
+        let row = Arc::new(AtomicI64::new(0)); // on disk
+        let wanted = Arc::new(AtomicI64::new(0));
+        let granting = Arc::new(AtomicU32::new(0));
+        let live = Arc::new(Mutex::new(Vec::<i64>::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let granted = Arc::new(AtomicUsize::new(0));
+        let grants: Vec<_> = (0..3)
+            .map(|t| {
+                let (clock, horizon, row, wanted, granting, live, stop, granted) = (
+                    clock.clone(),
+                    horizon.clone(),
+                    row.clone(),
+                    wanted.clone(),
+                    granting.clone(),
+                    live.clone(),
+                    stop.clone(),
+                    granted.clone(),
+                );
+                std::thread::spawn(move || {
+                    // The first takes leases of a minute, each ended at once; the others
+                    // leases of a second.
+                    let ttl = if t == 0 { 60 * S } else { S };
+                    while !stop.load(Ordering::Relaxed) {
+                        let e = clock.load(Ordering::Relaxed) + ttl;
+                        let g = begin_grant(&granting);
+                        if e + M > horizon.load(Ordering::SeqCst) {
+                            drop(g);
+                            wanted.fetch_max(advance_target(e, M), Ordering::AcqRel);
+                            std::thread::yield_now();
+                            continue;
+                        }
+                        for _ in 0..3 {
+                            std::thread::yield_now(); // preempted between check and record
+                        }
+                        live.lock().unwrap().push(e);
+                        drop(g);
+                        assert!(
+                            e + M <= row.load(Ordering::SeqCst),
+                            "a live lease uncovered"
+                        );
+                        granted.fetch_add(1, Ordering::Relaxed);
+                        std::thread::yield_now();
+                        let mut l = live.lock().unwrap();
+                        let at = l.iter().position(|&x| x == e).unwrap();
+                        l.swap_remove(at);
+                    }
+                })
+            })
+            .collect();
+        let (mut lowers, started) = (0, std::time::Instant::now());
+        while lowers < 1_000 && started.elapsed() < std::time::Duration::from_secs(5) {
+            clock.fetch_add(S / 1_000, Ordering::Relaxed); // a millisecond a round
+                                                           // An advance: committed, then published.
+            let w = wanted.load(Ordering::Acquire);
+            if w > horizon.load(Ordering::Acquire) {
+                row.fetch_max(w, Ordering::SeqCst);
+                horizon.fetch_max(w, Ordering::AcqRel);
+            }
+            let latest = live.lock().unwrap().iter().copied().max();
+            let from = horizon.load(Ordering::Acquire);
+            let Some(to) = latest.and_then(|l| lowered(from, l, M)) else {
+                std::thread::yield_now();
+                continue;
+            };
+            let asked = wanted.swap(0, Ordering::SeqCst);
+            if !lower(&horizon, &granting, from, to, std::thread::yield_now) {
+                wanted.fetch_max(asked, Ordering::AcqRel);
+                continue;
+            }
+            // The leases read after the lowering; the row written down to them, then published.
+            let written = live
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|e| e + M)
+                .chain([to, wanted.load(Ordering::Acquire)])
+                .max()
+                .unwrap();
+            row.store(written, Ordering::SeqCst);
+            horizon.fetch_max(written, Ordering::AcqRel);
+            // (Not lowered if a long grant asked for more meanwhile.)
+            lowers += usize::from(written < from);
+            assert!(horizon.load(Ordering::SeqCst) <= row.load(Ordering::SeqCst));
+        }
+        stop.store(true, Ordering::Relaxed);
+        for g in grants {
+            g.join().unwrap();
+        }
+        let g = granted.load(Ordering::Relaxed);
+        assert!(
+            g > 0 && lowers > 0,
+            "the race ran: {g} grants, {lowers} lowerings"
+        );
+    }
+
+    #[test]
+    fn a_horizon_comes_down_only_well_above_the_live_leases() {
+        let (margin, latest) = (2 * S, 100 * S);
+        let to = advance_target(latest, margin);
+        assert_eq!(lowered(to + HORIZON_STEP_US, latest, margin), None);
+        assert_eq!(lowered(to + HORIZON_STEP_US + 1, latest, margin), Some(to));
+        assert_eq!(lowered(latest + 120 * S, latest, margin), Some(to));
+        // A horizon moved meanwhile is left alone.
+        let (h, g) = (AtomicI64::new(5), AtomicU32::new(0));
+        assert!(!lower(&h, &g, 4, 1, || ()));
+        assert_eq!(h.load(Ordering::Relaxed), 5);
+        assert!(lower(&h, &g, 5, 1, || ()));
+        assert_eq!(h.load(Ordering::Relaxed), 1);
+        // A grant that stalls between its check and its record: the horizon goes back up.
+        g.store(1, Ordering::Relaxed);
+        assert!(!lower(&h, &g, 1, 0, || ()));
+        assert_eq!(h.load(Ordering::Relaxed), 1);
+    }
+
     #[test]
     fn the_journal_is_json_arrays_of_integers() {
         let j = encode_journal(&[
@@ -659,8 +941,14 @@ mod unit {
         assert_eq!(encode_journal(&[]), "[]");
     }
 
+    const AT: Checkpoint = Checkpoint {
+        system: 7_448_066_310_915_473_127,
+        lsn: 0x1_0400_0028,
+    };
+
     fn sample() -> LeaseFile {
         LeaseFile {
+            checkpoint: Some(AT),
             last_token: 1 << 61,
             leases: vec![SavedLease {
                 database: 5,
@@ -672,7 +960,67 @@ mod unit {
                 owner: 10,
                 key: Some(-1_155_795_468),
             }],
+            holds: vec![SavedHold {
+                database: 5,
+                cap: "held é".into(),
+                key: Some(-7),
+                until: 851_000_000_000_000,
+                reason: HoldReason::Crash,
+            }],
         }
+    }
+
+    /// Issue 35: an older copy of the file put back (a restore of pg_stat/) is refused, since
+    /// leases granted after it was written are not in it; so is another cluster's.
+    #[test]
+    fn the_lease_file_speaks_only_for_the_shutdown_that_wrote_it() {
+        let f = sample();
+        let text = f.encode(18);
+        assert!(
+            text.contains("\ncheckpoint 7448066310915473127 4362076200\n"),
+            "{text}"
+        );
+        let read = LeaseFile::decode(&text, 18).expect("a v3 file");
+        assert_eq!(read.check(AT), Ok(()));
+        let later = Checkpoint {
+            lsn: AT.lsn + 0x98,
+            ..AT
+        };
+        let err = read.check(later).unwrap_err();
+        assert_eq!(
+            err,
+            FileError::OtherShutdown {
+                written: AT,
+                last: later
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "it was written at the shutdown checkpoint 1/4000028, not at the last clean \
+             shutdown's (1/40000C0): it is an older copy, and leases granted since are not in it"
+        );
+        let other = Checkpoint { system: 1, ..AT };
+        assert!(read
+            .check(other)
+            .unwrap_err()
+            .to_string()
+            .contains("another cluster"));
+        // A damaged stamp line is corrupt, like any other line.
+        let bad = text.replace("checkpoint 7448066310915473127", "checkpoint x");
+        assert_eq!(LeaseFile::decode(&bad, 18), Err(FileError::Corrupt(3)));
+        // A file of 0.7.0 to 0.9.0 (v2, no stamp, no holds) is still read, and taken on trust.
+        let v2 = LeaseFile {
+            checkpoint: None,
+            holds: Vec::new(),
+            ..sample()
+        };
+        let old = v2.encode(18);
+        assert!(
+            old.starts_with("stage_e_slots leases v2\nmajor 18\ntokens "),
+            "{old}"
+        );
+        let read = LeaseFile::decode(&old, 18).expect("a v2 file");
+        assert_eq!((read.checkpoint, read.check(later)), (None, Ok(())));
     }
 
     #[test]
@@ -700,8 +1048,15 @@ mod unit {
             LeaseFile::decode(cut, 18),
             Err(FileError::Corrupt(_))
         ));
+        // A hold line with a reason that is none.
+        let unknown = text.replace(" 851000000000000 1 -7\n", " 851000000000000 9 -7\n");
+        assert_ne!(unknown, text);
+        assert!(matches!(
+            LeaseFile::decode(&unknown, 18),
+            Err(FileError::Corrupt(_))
+        ));
         let garbled = text.replace("lease 5", "lease x");
-        assert_eq!(LeaseFile::decode(&garbled, 18), Err(FileError::Corrupt(4)));
+        assert_eq!(LeaseFile::decode(&garbled, 18), Err(FileError::Corrupt(5)));
         assert_eq!(LeaseFile::decode("", 18), Err(FileError::Corrupt(1)));
         assert_eq!(
             LeaseFile::decode("\u{0}\u{1}garbage", 18),
