@@ -13,6 +13,11 @@
 //!   of `stage_e_adapt`, the launcher's tick, a load), who looks the cap up before taking the
 //!   adapt lock. So the entry's limit is always the one of the record's latest write.
 //! - Lock order: directory, then adapt. Nobody takes the directory lock holding the adapt lock.
+//! - A transaction that sets policies reserves their records at its pre-commit (`reserve`: its
+//!   pid in `reserved`, on the cap's record or on a free one), where an ERROR still rolls its
+//!   rows back; so the commit always finds a record, and a committed row always has one in
+//!   memory. A record is free while `db` and `reserved` are both 0; whoever reserved releases
+//!   at the end of its transaction (`unreserve`, commit or abort). A crash resets the segment.
 
 use super::entry::CapEntry;
 use super::records::{load_name, store_name, PolicyRecord, REASON_WORDS};
@@ -197,6 +202,66 @@ fn find(db: u32, name: &str) -> Option<&'static PolicyRecord> {
     records().iter().find(|r| r.is(db, name))
 }
 
+impl PolicyRecord {
+    fn is_free(&self) -> bool {
+        self.db.load(Relaxed) == 0 && self.reserved.load(Relaxed) == 0
+    }
+}
+
+/// A free record, or the one this backend reserved (`me`) that has no policy on it now.
+fn free_record(me: u32) -> Option<&'static PolicyRecord> {
+    let mine = |r: &&PolicyRecord| r.db.load(Relaxed) == 0 && r.reserved.load(Relaxed) == me;
+    records()
+        .iter()
+        .find(|r| me != 0 && mine(r))
+        .or_else(|| records().iter().find(|r| r.is_free()))
+}
+
+fn my_pid() -> u32 {
+    // SAFETY: reads a value set once at process start.
+    unsafe { pg_sys::MyProcPid as u32 }
+}
+
+/// The pre-commit of a transaction that sets the policies of `caps` (of database `db`): a
+/// record for each, reserved for this backend until its transaction ends. A cap's own record
+/// is reserved if no other committing backend has; else a free one. Err (nothing is kept
+/// reserved, the caller raises, and the abort releases) when no record is left.
+pub fn reserve(db: u32, caps: &[&str]) -> Result<(), NoPolicyRecord> {
+    let me = my_pid();
+    let max = records().len() as u32;
+    adapt_locked(EXCLUSIVE, || {
+        for name in caps {
+            if let Some(r) = find(db, name) {
+                let held = r.reserved.load(Relaxed);
+                if held == 0 || held == me {
+                    r.reserved.store(me, Relaxed);
+                    continue;
+                }
+            }
+            let r = records()
+                .iter()
+                .find(|r| r.is_free())
+                .ok_or(NoPolicyRecord { max })?;
+            r.reserved.store(me, Relaxed);
+        }
+        Ok(())
+    })
+}
+
+/// This backend's transaction ended: the records it reserved are released (a record with no
+/// policy left on it is free again).
+pub fn unreserve() {
+    if records().is_empty() || !has_proc() {
+        return;
+    }
+    let me = my_pid();
+    adapt_locked(EXCLUSIVE, || {
+        for r in records().iter().filter(|r| r.reserved.load(Relaxed) == me) {
+            r.reserved.store(0, Relaxed);
+        }
+    });
+}
+
 /// Whether this process may take LWLocks (the postmaster, restoring caps at start, may not:
 /// nothing else runs then, and no policy is loaded yet).
 fn has_proc() -> bool {
@@ -262,7 +327,7 @@ fn databases_where(keep: impl Fn(&PolicyRecord) -> bool) -> Vec<u32> {
 pub fn policy_room(db: u32, name: &str) -> Result<(), NoPolicyRecord> {
     let max = records().len() as u32;
     adapt_locked(SHARED, || {
-        let ok = find(db, name).is_some() || records().iter().any(|r| r.db.load(Relaxed) == 0);
+        let ok = find(db, name).is_some() || records().iter().any(|r| r.is_free());
         if ok {
             Ok(())
         } else {
@@ -272,7 +337,8 @@ pub fn policy_room(db: u32, name: &str) -> Result<(), NoPolicyRecord> {
 }
 
 /// Applies a committed `stage_e_adapt` / `stage_e_adapt_off`. New bounds keep what was learned
-/// (clamped); a new policy starts cold (at its minimum).
+/// (clamped); a new policy starts cold (at its minimum), on the record this backend reserved
+/// at its pre-commit (`reserve`), or a free one.
 pub fn apply_policy(
     db: u32,
     name: &str,
@@ -309,10 +375,7 @@ pub fn apply_policy(
                         r
                     }
                     None => {
-                        let r = records()
-                            .iter()
-                            .find(|r| r.db.load(Relaxed) == 0)
-                            .ok_or(NoPolicyRecord { max })?;
+                        let r = free_record(my_pid()).ok_or(NoPolicyRecord { max })?;
                         fill(r, db, name, bounds, Learned::start(bounds), now);
                         r.set_reason(&format!("started at min_slots: {}", bounds.min), now);
                         r.start_window(cap.as_ref(), now);
@@ -360,10 +423,7 @@ pub fn restore_policy(
         let r = match find(db, name) {
             Some(r) => r,
             None => {
-                let r = records()
-                    .iter()
-                    .find(|r| r.db.load(Relaxed) == 0)
-                    .ok_or(NoPolicyRecord { max })?;
+                let r = free_record(0).ok_or(NoPolicyRecord { max })?;
                 let l = match limit {
                     Some(limit) => Learned::restored(bounds, limit, baseline_us.unwrap_or(0.0)),
                     None => Learned::start(bounds),

@@ -142,7 +142,10 @@ pub(super) struct PolicyRecord {
     /// The last LOG line, and the changes made since that were not logged.
     pub(super) logged_at: AtomicI64,
     pub(super) unlogged: AtomicU32,
-    pub(super) _pad: [u32; 3],
+    /// The pid of a backend whose committing transaction holds this record for a policy it
+    /// sets (0 = none): a record with `db` 0 is free only while this is 0 too.
+    pub(super) reserved: AtomicU32,
+    pub(super) _pad: [u32; 2],
 }
 
 /// One backend's hazard slot, alone on its cache line: each backend writes its own twice per
