@@ -12,6 +12,9 @@
 //!   is taken before the adapt lock, never after), and by whoever changes a record (the commit
 //!   of `stage_e_adapt`, the launcher's tick, a load), who looks the cap up before taking the
 //!   adapt lock. So the entry's limit is always the one of the record's latest write.
+//! - One exception: `window_lost` is added to under the shared lock (`note_expiry`: an atomic
+//!   add, on the rare path of an expiry); only the exclusive holder resets it, at a window's
+//!   start, which no shared holder can overlap.
 //! - Lock order: directory, then adapt. Nobody takes the directory lock holding the adapt lock.
 //! - A transaction that sets policies reserves their records at its pre-commit (`reserve`: its
 //!   pid in `reserved`, on the cap's record or on a free one), where an ERROR still rolls its
@@ -24,7 +27,7 @@ use super::records::{load_name, store_name, PolicyRecord, REASON_WORDS};
 use super::segment::{adapt_locked, segment, EXCLUSIVE, SHARED};
 use super::{caps, Cap};
 use pgrx::pg_sys;
-use stage_e_core::adapt::{Bounds, Learned, Step, Verdict, Window};
+use stage_e_core::adapt::{is_loss, Bounds, Learned, Step, Verdict, Window};
 use stage_e_core::state::CapRef;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -101,7 +104,9 @@ impl PolicyRecord {
             limit: f(&self.limit),
             baseline_us: f(&self.baseline_us),
             recent_us: f(&self.recent_us),
-            slow_start: self.slow_start.load(Relaxed) != 0,
+            slow_start: self.slow_start.load(Relaxed) & 1 != 0,
+            low_windows: (self.slow_start.load(Relaxed) >> 1) & 0x7fff,
+            windows: self.slow_start.load(Relaxed) >> 16,
         }
     }
 
@@ -109,7 +114,9 @@ impl PolicyRecord {
         set_f(&self.limit, l.limit);
         set_f(&self.baseline_us, l.baseline_us);
         set_f(&self.recent_us, l.recent_us);
-        self.slow_start.store(l.slow_start as u32, Relaxed);
+        let packed =
+            l.slow_start as u32 | (l.low_windows.min(0x7fff) << 1) | (l.windows.min(0xffff) << 16);
+        self.slow_start.store(packed, Relaxed);
     }
 
     /// Whether the learned limit differs from what a flusher last wrote to the cap's row.
@@ -152,6 +159,7 @@ impl PolicyRecord {
         self.window_ended.store(ended, Relaxed);
         self.window_hold_us.store(hold, Relaxed);
         self.window_expired.store(expired, Relaxed);
+        self.window_lost.store(0, Relaxed);
     }
 
     fn view(&self, held: u32) -> PolicyView {
@@ -299,6 +307,22 @@ pub fn learned_limit(db: u32, name: &str, bounds: Bounds) -> Option<u32> {
             l.limit(bounds)
         })
     })
+}
+
+/// A lease of `cap` expired after holding its slot `held_us`: a loss for its policy, if it has
+/// one and the lease held its slot long enough to matter (`stage_e_core::adapt::is_loss`).
+pub fn note_expiry(cap: &Cap, held_us: i64) {
+    if records().is_empty() || !has_proc() {
+        return;
+    }
+    let (db, name) = (cap.database(), cap.name());
+    adapt_locked(SHARED, || {
+        if let Some(r) = find(db, &name) {
+            if is_loss(held_us, f(&r.baseline_us)) {
+                r.window_lost.fetch_add(1, Relaxed);
+            }
+        }
+    });
 }
 
 /// The databases with learned limits not yet written to their rows.
@@ -558,6 +582,7 @@ fn learn(r: &PolicyRecord, cap: Option<&Cap>, now: i64) -> Option<Step> {
         releases: ended.wrapping_sub(r.window_ended.load(Relaxed)),
         hold_us: hold.wrapping_sub(r.window_hold_us.load(Relaxed)),
         expired: expired.wrapping_sub(r.window_expired.load(Relaxed)),
+        lost: r.window_lost.load(Relaxed) as u64,
         held: held_bits(cap),
         elapsed_us: now - r.window_start.load(Relaxed),
     };
