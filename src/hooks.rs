@@ -9,9 +9,11 @@
 //!   (`slots::held::reconcile`).
 //! - At subtransaction end, a flush made in it is settled or handed to its parent, and so are
 //!   the adaptive policy changes made in it.
-//! - At commit, the policy changes of `stage_e_adapt` / `stage_e_adapt_off` (whose rows the
-//!   transaction wrote) reach shared memory (`slots::limits::apply_committed`); an abort drops
-//!   them with the rows.
+//! - At pre-commit, a transaction that sets policies reserves their records (an ERROR there
+//!   rolls its rows back: `slots::limits::reserve_committing`); at commit, the policy changes of
+//!   `stage_e_adapt` / `stage_e_adapt_off` (whose rows the transaction wrote) reach shared
+//!   memory (`slots::limits::apply_committed`); an abort drops them with the rows. Either end
+//!   releases the reservations.
 //! - `DROP EXTENSION stage_e_slots` (also through `DROP SCHEMA ... CASCADE` or `DROP OWNED`) is
 //!   noticed by an object-access hook, installed in `_PG_init` (the one hook every backend
 //!   inherits), and remembered with its subtransaction; when the dropping transaction commits,
@@ -129,16 +131,27 @@ unsafe extern "C-unwind" fn on_xact_end(
                 "cannot PREPARE a transaction that called stage_e_adapt or stage_e_adapt_off"
             )
         }
+        XACT_EVENT_PRE_COMMIT if session::changes_policies() => {
+            crate::slots::limits::reserve_committing(&session::pending_policies());
+            return;
+        }
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
             session::settle_flush(true);
-            crate::slots::limits::apply_committed(session::take_policies(true));
+            let policies = session::take_policies(true);
+            if !policies.is_empty() {
+                crate::slots::limits::apply_committed(policies);
+                shmem::unreserve();
+            }
             if DROPPED_IN.take().is_some() {
                 crate::slots::end_database();
             }
         }
         XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT => {
             session::settle_flush(false);
-            session::take_policies(false);
+            if session::changes_policies() {
+                session::take_policies(false);
+                shmem::unreserve();
+            }
             DROPPED_IN.set(None);
         }
         _ => return,

@@ -414,6 +414,20 @@ pub fn changes_policies() -> bool {
     POLICIES.with_borrow(|p| !p.is_empty())
 }
 
+/// The changes made so far (the pre-commit reserves their records), oldest first.
+pub fn pending_policies() -> Vec<PendingPolicy> {
+    POLICIES.with_borrow(|p| {
+        p.iter()
+            .map(|c| PendingPolicy {
+                subxact: c.subxact,
+                cap: c.cap.clone(),
+                change: c.change,
+                log: String::new(),
+            })
+            .collect()
+    })
+}
+
 /// The transaction ended: the changes to apply (commit), in the order they were made; none
 /// when it aborted.
 pub fn take_policies(commit: bool) -> Vec<PendingPolicy> {

@@ -21,10 +21,9 @@ from datetime import datetime, timedelta
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import cap_locks, one, stats
 from pgcluster import Cluster, wait_for
+from psycopg import errors
 
 SERVICE_TIME = 0.02  # seconds per call of the simulated service
 VIEW = ('SELECT cap, "limit", min_slots, max_slots, enforce, baseline_hold, recent_hold, held, '
@@ -37,7 +36,7 @@ ADAPT_COLUMNS = "adapt_min, adapt_max, adapt_enforce, adapt_limit, adapt_baselin
 MOVE = re.compile(r"^(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) \S+ \[\d+\] [^\n]*LOG:  "
                   r"stage_e_slots: limit of cap \"(?P<cap>[^\"]+)\" of database "
                   r"\"(?P<db>[^\"]+)\": (?P<reason>[^\n]*?(?P<old>\d+) -> (?P<new>\d+))"
-                  r"(?:; (?P<left_out>\d+) changes? since the last line)?$", re.M)
+                  r"(?:; (?P<left_out>\d+) changes? since the last line)?$", re.MULTILINE)
 
 
 # -- clusters --------------------------------------------------------------------------------
@@ -448,6 +447,95 @@ def test_expired_leases_shrink_the_limit(ac, adb):
         assert int(m.group(1)) >= 1 and int(m.group(3)) < int(m.group(2))
 
 
+class Attacker:
+    """Another role's session running `step(conn)` in a loop until stopped; counts its calls."""
+
+    def __init__(self, cluster, db, user, step):
+        self.conn = cluster.connect(db, "attacker", user=user)
+        self.step, self.calls, self.errors = step, 0, []
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            while not self.stop_event.is_set():
+                self.step(self.conn)
+                self.calls += 1
+        except Exception as e:  # noqa: BLE001 - reported by stop()
+            self.errors.append(repr(e))
+
+    def stop(self):
+        self.stop_event.set()
+        self.thread.join(30)
+        self.conn.close()
+        assert self.errors == [], self.errors
+        assert self.calls > 0
+
+
+def _lease_left_to_expire(conn):
+    # Issue 35's first attack: a lease of 1 us every 50 ms, never released.
+    conn.execute("SELECT * FROM stage_e_lease('steer', 16, '1 us', '2 s')")
+    time.sleep(0.05)
+
+
+def _zero_hold(conn):
+    # Its second: acquire and release at once, as fast as one session can.
+    slot = try_slot(conn, "steer", 16)
+    if slot is not None:
+        release(conn, "steer", slot)
+
+
+def test_another_role_can_not_steer_the_limit(ac, adb):
+    """Issue 35: a plain role (EXECUTE on the slot functions only, as PUBLIC has) must not
+    steer an adaptive cap's limit. Six legitimate sessions use a cap learned at 12 (bounds
+    [1, 16], a service of capacity 16 at 20 ms: no congestion); then the plain role, for 2 s,
+    acquires and releases at once (the mean hold time fell to a fraction, the baseline with
+    it, and the legitimate 20 ms holds then read as congestion: 12 -> 1 for ~20 s); then, for
+    6 s, takes a lease of 1 us every 50 ms and leaves it to expire (each window with an expiry
+    was a 10% loss: 12 -> 3 in 6 s). During each attack and the seconds after, the limit stays
+    within a factor of 2 of its level when the attacks began, and the baseline within 25%."""
+    ac.sql("DROP ROLE IF EXISTS adapt_attacker")
+    ac.sql("CREATE ROLE adapt_attacker LOGIN")
+    ac.sql(f'GRANT CONNECT ON DATABASE "{adb}" TO adapt_attacker')
+    try:
+        with ac.connect(adb) as c:
+            adapt(c, "steer", 12, 12)
+            adapt(c, "steer", 1, 16)  # keeps the learned limit: 12
+            clients = Clients(ac, adb, "steer", Service(16), 6)
+            obs = Observer(ac, adb, "steer")
+            seen = []  # (attack, limits during it and after, baseline after)
+            try:
+                wait_for(lambda: limit_row(c, "steer")["recent_hold"] is not None,
+                         timeout=10, interval=0.1, what="a baseline")
+                # Past the cold start's first 8 windows (4 s), whose baseline may fall at once.
+                time.sleep(4.5)
+                level = limit_of(c, "steer")
+                baseline = limit_row(c, "steer")["baseline_hold"]
+                for step, seconds, after in ((_zero_hold, 2, 4), (_lease_left_to_expire, 6, 2)):
+                    t0 = time.monotonic()
+                    attacker = Attacker(ac, adb, "adapt_attacker", step)
+                    time.sleep(seconds)
+                    attacker.stop()
+                    time.sleep(after)
+                    seen.append((step.__name__, [s[2] for s in obs.since(t0)],
+                                 limit_row(c, "steer")["baseline_hold"]))
+                    print(f"\n{step.__name__}: {attacker.calls} calls in {seconds} s; limits "
+                          f"{compress(seen[-1][1])}; baseline {baseline} -> {seen[-1][2]}")
+            finally:
+                clients.stop()
+                obs.stop()
+            print(f"level {level}; {clients.served} served")
+            for attack, limits_seen, after in seen:
+                assert min(limits_seen) * 2 >= level, (attack, level, compress(limits_seen))
+                assert abs(after - baseline) <= baseline * 0.25, (attack, baseline, after)
+            assert stats(c, "steer")["expired"] > 0, "the leases never expired"
+    finally:
+        ac.sql(f'REVOKE CONNECT ON DATABASE "{adb}" FROM adapt_attacker')
+        ac.sql("DROP OWNED BY adapt_attacker", dbname=adb)
+        ac.sql("DROP ROLE adapt_attacker")
+
+
 # -- enforcement -----------------------------------------------------------------------------
 
 def test_a_pinned_limit_is_enforced_for_every_kind_of_acquisition(aconnect):
@@ -627,15 +715,13 @@ def test_adapt_takes_effect_at_commit_and_a_rollback_or_savepoint_undoes_it(acon
     assert limits(observer) == {}
     assert one(observer, "SELECT count(*) FROM stage_e_throttle_counter "
                          "WHERE adapt_min IS NOT NULL") == 0
-    with a.transaction():
-        with a.transaction(force_rollback=True):  # a savepoint, rolled back
-            adapt(a, "tx", 3, 3)
+    with a.transaction(), a.transaction(force_rollback=True):  # a savepoint, rolled back
+        adapt(a, "tx", 3, 3)
     assert limits(observer) == {}
-    with a.transaction():
-        with pytest.raises(errors.DivisionByZero):
-            with a.transaction():  # a savepoint whose statement fails after the call
-                adapt(a, "tx", 3, 3)
-                a.execute("SELECT 1 / 0")
+    # The inner transaction: a savepoint whose statement fails after the call.
+    with a.transaction(), pytest.raises(errors.DivisionByZero), a.transaction():
+        adapt(a, "tx", 3, 3)
+        a.execute("SELECT 1 / 0")
     assert limits(observer) == {}
     assert [try_slot(b, "tx", 8) for _ in range(4)] == [0, 1, 2, 3]
     assert one(b, "SELECT stage_e_release_all()") == 4
@@ -652,9 +738,8 @@ def test_adapt_takes_effect_at_commit_and_a_rollback_or_savepoint_undoes_it(acon
     assert [try_slot(b, "tx", 8) for _ in range(4)] == [0, 1, 2, None]
 
     # A change rolled back to its savepoint: the committed bounds stay.
-    with a.transaction():
-        with a.transaction(force_rollback=True):
-            adapt(a, "tx", 5, 5)
+    with a.transaction(), a.transaction(force_rollback=True):
+        adapt(a, "tx", 5, 5)
     assert policy(observer, "tx") == (3, 3, 3, True)
     with a.transaction():
         adapt(a, "tx", 5, 5)

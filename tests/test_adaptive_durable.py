@@ -7,13 +7,26 @@ import time
 from datetime import timedelta
 
 import pytest
-from psycopg import errors
-
 from conftest import one
 from pgcluster import Cluster, wait_for
-from test_adaptive import (Clients, Service, _adapt_ok, _try, adapt, adapt_off, counter_row,
-                           lease, limit_of, limit_row, limits, policy, release, settle, try_slot)
-
+from psycopg import errors
+from test_adaptive import (
+    Clients,
+    Service,
+    _adapt_ok,
+    _try,
+    adapt,
+    adapt_off,
+    counter_row,
+    lease,
+    limit_of,
+    limit_row,
+    limits,
+    policy,
+    release,
+    settle,
+    try_slot,
+)
 
 # -- persistence: a cluster of its own, restarted and crashed --------------------------------
 
@@ -126,7 +139,7 @@ def test_a_policy_and_its_limit_outlive_the_caps_reclaim(pc):
         try:
             for i in range(16):
                 cap = f"other{i}"
-                wait_for(lambda: _try(holder, cap) == 0, timeout=20, interval=0.1,
+                wait_for(lambda cap=cap: _try(holder, cap) == 0, timeout=20, interval=0.1,
                          what=f"room for cap {cap}")
             assert "kept" not in [r[0] for r in s.execute("SELECT cap FROM stage_e_stats()")]
             assert policy(s, "kept") == (4, 1, 9, True)
@@ -176,3 +189,60 @@ def test_max_adaptive_caps_full_refuses_with_53400_and_changes_nothing(pc):
         wait_for(lambda: _adapt_ok(t, "one-more"), timeout=15, interval=0.2,
                  what="room for an adaptive cap")
         assert policy(t, "one-more") == (1, 1, 4, True)
+
+
+@pytest.fixture(scope="module")
+def race():
+    """Two adaptive policy records in all (max_adaptive_caps = 2)."""
+    c = Cluster("adaptive_race", {"stage_e_slots.flush_interval": "'1s'",
+                                  "stage_e_slots.max_adaptive_caps": 2}).init().start()
+    yield c
+    c.destroy()
+
+
+def _rows_and_memory(conn):
+    """(caps whose row says adaptive, caps the view shows as adaptive), each sorted."""
+    rows = sorted(r[0] for r in conn.execute(
+        "SELECT cap FROM stage_e_throttle_counter WHERE adapt_min IS NOT NULL"))
+    return rows, sorted(limits(conn))
+
+
+def test_a_policy_whose_record_was_taken_before_commit_fails_at_commit(race):
+    """With one record left, session A calls stage_e_adapt (room at the call) but session B
+    takes the last record before A commits: A's COMMIT is refused (53400, the detail naming
+    max_adaptive_caps) and rolls its row back; B's policy holds. A policy of a cap that
+    already has a record still commits, even with every record taken. The rows and shared
+    memory agree throughout, and again after a clean restart (nothing lost a policy)."""
+    race.create_database("race")
+    with race.connect("race") as s, race.connect("race") as a, race.connect("race") as b:
+        adapt(s, "first", 1, 4)
+        a.execute("BEGIN")
+        adapt(a, "from-a", 1, 4)  # one record left: room at the call
+        adapt(b, "from-b", 1, 4)  # autocommit: takes it
+        with pytest.raises(errors.ConfigurationLimitExceeded) as err:
+            a.execute("COMMIT")
+        d = err.value.diag
+        assert d.sqlstate == "53400"
+        assert "stage_e_slots.max_adaptive_caps" in (d.message_detail or ""), d.message_detail
+        assert counter_row(a, "from-a") is None
+        assert _rows_and_memory(s) == (["first", "from-b"], ["first", "from-b"])
+        # Its own record, every record taken: new bounds still commit.
+        a.execute("BEGIN")
+        adapt(a, "first", 2, 4)
+        a.execute("COMMIT")
+        assert policy(s, "first")[1:] == (2, 4, True)
+        # Off and on again in one transaction keeps the record it frees.
+        a.execute("BEGIN")
+        adapt_off(a, "from-b")
+        adapt(a, "from-b", 1, 3)
+        a.execute("COMMIT")
+        assert policy(s, "from-b")[1:] == (1, 3, True)
+        # The refused transaction released what it held: a record given back is taken again.
+        adapt_off(b, "from-b")
+        adapt(a, "from-a", 1, 4)
+        assert _rows_and_memory(s) == (["first", "from-a"], ["first", "from-a"])
+    race.stop()
+    race.start()
+    with race.connect("race") as s:
+        assert _rows_and_memory(s) == (["first", "from-a"], ["first", "from-a"])
+        assert "is not adaptive" not in race.log_text()

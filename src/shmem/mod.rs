@@ -82,8 +82,8 @@ pub use persist::init;
 pub use pin::pin;
 pub use policies::{
     adapt_tick, apply_policy, cap_limits, clear_policies, databases_with_limits_to_write,
-    learned_limit, limits_to_write, limits_written, policy_count, policy_databases, policy_room,
-    restore_policy, PolicyChange, PolicyView, ToWrite,
+    learned_limit, limits_to_write, limits_written, note_expiry, policy_count, policy_databases,
+    policy_room, reserve, restore_policy, unreserve, PolicyChange, PolicyView, ToWrite,
 };
 pub use records::MAX_DATABASES;
 pub use segment::attached;

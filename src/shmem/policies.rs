@@ -12,14 +12,22 @@
 //!   is taken before the adapt lock, never after), and by whoever changes a record (the commit
 //!   of `stage_e_adapt`, the launcher's tick, a load), who looks the cap up before taking the
 //!   adapt lock. So the entry's limit is always the one of the record's latest write.
+//! - One exception: `window_lost` is added to under the shared lock (`note_expiry`: an atomic
+//!   add, on the rare path of an expiry); only the exclusive holder resets it, at a window's
+//!   start, which no shared holder can overlap.
 //! - Lock order: directory, then adapt. Nobody takes the directory lock holding the adapt lock.
+//! - A transaction that sets policies reserves their records at its pre-commit (`reserve`: its
+//!   pid in `reserved`, on the cap's record or on a free one), where an ERROR still rolls its
+//!   rows back; so the commit always finds a record, and a committed row always has one in
+//!   memory. A record is free while `db` and `reserved` are both 0; whoever reserved releases
+//!   at the end of its transaction (`unreserve`, commit or abort). A crash resets the segment.
 
 use super::entry::CapEntry;
 use super::records::{load_name, store_name, PolicyRecord, REASON_WORDS};
 use super::segment::{adapt_locked, segment, EXCLUSIVE, SHARED};
 use super::{caps, Cap};
 use pgrx::pg_sys;
-use stage_e_core::adapt::{Bounds, Learned, Step, Verdict, Window};
+use stage_e_core::adapt::{is_loss, Bounds, Learned, Step, Verdict, Window};
 use stage_e_core::state::CapRef;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -96,7 +104,9 @@ impl PolicyRecord {
             limit: f(&self.limit),
             baseline_us: f(&self.baseline_us),
             recent_us: f(&self.recent_us),
-            slow_start: self.slow_start.load(Relaxed) != 0,
+            slow_start: self.slow_start.load(Relaxed) & 1 != 0,
+            low_windows: (self.slow_start.load(Relaxed) >> 1) & 0x7fff,
+            windows: self.slow_start.load(Relaxed) >> 16,
         }
     }
 
@@ -104,7 +114,9 @@ impl PolicyRecord {
         set_f(&self.limit, l.limit);
         set_f(&self.baseline_us, l.baseline_us);
         set_f(&self.recent_us, l.recent_us);
-        self.slow_start.store(l.slow_start as u32, Relaxed);
+        let packed =
+            l.slow_start as u32 | (l.low_windows.min(0x7fff) << 1) | (l.windows.min(0xffff) << 16);
+        self.slow_start.store(packed, Relaxed);
     }
 
     /// Whether the learned limit differs from what a flusher last wrote to the cap's row.
@@ -147,6 +159,7 @@ impl PolicyRecord {
         self.window_ended.store(ended, Relaxed);
         self.window_hold_us.store(hold, Relaxed);
         self.window_expired.store(expired, Relaxed);
+        self.window_lost.store(0, Relaxed);
     }
 
     fn view(&self, held: u32) -> PolicyView {
@@ -197,6 +210,66 @@ fn find(db: u32, name: &str) -> Option<&'static PolicyRecord> {
     records().iter().find(|r| r.is(db, name))
 }
 
+impl PolicyRecord {
+    fn is_free(&self) -> bool {
+        self.db.load(Relaxed) == 0 && self.reserved.load(Relaxed) == 0
+    }
+}
+
+/// A free record, or the one this backend reserved (`me`) that has no policy on it now.
+fn free_record(me: u32) -> Option<&'static PolicyRecord> {
+    let mine = |r: &&PolicyRecord| r.db.load(Relaxed) == 0 && r.reserved.load(Relaxed) == me;
+    records()
+        .iter()
+        .find(|r| me != 0 && mine(r))
+        .or_else(|| records().iter().find(|r| r.is_free()))
+}
+
+fn my_pid() -> u32 {
+    // SAFETY: reads a value set once at process start.
+    unsafe { pg_sys::MyProcPid as u32 }
+}
+
+/// The pre-commit of a transaction that sets the policies of `caps` (of database `db`): a
+/// record for each, reserved for this backend until its transaction ends. A cap's own record
+/// is reserved if no other committing backend has; else a free one. Err (nothing is kept
+/// reserved, the caller raises, and the abort releases) when no record is left.
+pub fn reserve(db: u32, caps: &[&str]) -> Result<(), NoPolicyRecord> {
+    let me = my_pid();
+    let max = records().len() as u32;
+    adapt_locked(EXCLUSIVE, || {
+        for name in caps {
+            if let Some(r) = find(db, name) {
+                let held = r.reserved.load(Relaxed);
+                if held == 0 || held == me {
+                    r.reserved.store(me, Relaxed);
+                    continue;
+                }
+            }
+            let r = records()
+                .iter()
+                .find(|r| r.is_free())
+                .ok_or(NoPolicyRecord { max })?;
+            r.reserved.store(me, Relaxed);
+        }
+        Ok(())
+    })
+}
+
+/// This backend's transaction ended: the records it reserved are released (a record with no
+/// policy left on it is free again).
+pub fn unreserve() {
+    if records().is_empty() || !has_proc() {
+        return;
+    }
+    let me = my_pid();
+    adapt_locked(EXCLUSIVE, || {
+        for r in records().iter().filter(|r| r.reserved.load(Relaxed) == me) {
+            r.reserved.store(0, Relaxed);
+        }
+    });
+}
+
 /// Whether this process may take LWLocks (the postmaster, restoring caps at start, may not:
 /// nothing else runs then, and no policy is loaded yet).
 fn has_proc() -> bool {
@@ -236,6 +309,22 @@ pub fn learned_limit(db: u32, name: &str, bounds: Bounds) -> Option<u32> {
     })
 }
 
+/// A lease of `cap` expired after holding its slot `held_us`: a loss for its policy, if it has
+/// one and the lease held its slot long enough to matter (`stage_e_core::adapt::is_loss`).
+pub fn note_expiry(cap: &Cap, held_us: i64) {
+    if records().is_empty() || !has_proc() {
+        return;
+    }
+    let (db, name) = (cap.database(), cap.name());
+    adapt_locked(SHARED, || {
+        if let Some(r) = find(db, &name) {
+            if is_loss(held_us, f(&r.baseline_us)) {
+                r.window_lost.fetch_add(1, Relaxed);
+            }
+        }
+    });
+}
+
 /// The databases with learned limits not yet written to their rows.
 pub fn databases_with_limits_to_write() -> Vec<u32> {
     databases_where(PolicyRecord::unwritten)
@@ -262,7 +351,7 @@ fn databases_where(keep: impl Fn(&PolicyRecord) -> bool) -> Vec<u32> {
 pub fn policy_room(db: u32, name: &str) -> Result<(), NoPolicyRecord> {
     let max = records().len() as u32;
     adapt_locked(SHARED, || {
-        let ok = find(db, name).is_some() || records().iter().any(|r| r.db.load(Relaxed) == 0);
+        let ok = find(db, name).is_some() || records().iter().any(|r| r.is_free());
         if ok {
             Ok(())
         } else {
@@ -272,7 +361,8 @@ pub fn policy_room(db: u32, name: &str) -> Result<(), NoPolicyRecord> {
 }
 
 /// Applies a committed `stage_e_adapt` / `stage_e_adapt_off`. New bounds keep what was learned
-/// (clamped); a new policy starts cold (at its minimum).
+/// (clamped); a new policy starts cold (at its minimum), on the record this backend reserved
+/// at its pre-commit (`reserve`), or a free one.
 pub fn apply_policy(
     db: u32,
     name: &str,
@@ -309,10 +399,7 @@ pub fn apply_policy(
                         r
                     }
                     None => {
-                        let r = records()
-                            .iter()
-                            .find(|r| r.db.load(Relaxed) == 0)
-                            .ok_or(NoPolicyRecord { max })?;
+                        let r = free_record(my_pid()).ok_or(NoPolicyRecord { max })?;
                         fill(r, db, name, bounds, Learned::start(bounds), now);
                         r.set_reason(&format!("started at min_slots: {}", bounds.min), now);
                         r.start_window(cap.as_ref(), now);
@@ -360,10 +447,7 @@ pub fn restore_policy(
         let r = match find(db, name) {
             Some(r) => r,
             None => {
-                let r = records()
-                    .iter()
-                    .find(|r| r.db.load(Relaxed) == 0)
-                    .ok_or(NoPolicyRecord { max })?;
+                let r = free_record(0).ok_or(NoPolicyRecord { max })?;
                 let l = match limit {
                     Some(limit) => Learned::restored(bounds, limit, baseline_us.unwrap_or(0.0)),
                     None => Learned::start(bounds),
@@ -498,6 +582,7 @@ fn learn(r: &PolicyRecord, cap: Option<&Cap>, now: i64) -> Option<Step> {
         releases: ended.wrapping_sub(r.window_ended.load(Relaxed)),
         hold_us: hold.wrapping_sub(r.window_hold_us.load(Relaxed)),
         expired: expired.wrapping_sub(r.window_expired.load(Relaxed)),
+        lost: r.window_lost.load(Relaxed) as u64,
         held: held_bits(cap),
         elapsed_us: now - r.window_start.load(Relaxed),
     };

@@ -121,6 +121,7 @@ pub(super) struct PolicyRecord {
     pub(super) min: AtomicU32,
     pub(super) max: AtomicU32,
     pub(super) enforce: AtomicU32,
+    /// `Learned`'s slow start (bit 0), low windows (bits 1-15) and windows (bits 16-31).
     pub(super) slow_start: AtomicU32,
     /// `Learned`'s limit, baseline and recent hold time (f64 bits).
     pub(super) limit: AtomicU64,
@@ -142,7 +143,12 @@ pub(super) struct PolicyRecord {
     /// The last LOG line, and the changes made since that were not logged.
     pub(super) logged_at: AtomicI64,
     pub(super) unlogged: AtomicU32,
-    pub(super) _pad: [u32; 3],
+    /// The pid of a backend whose committing transaction holds this record for a policy it
+    /// sets (0 = none): a record with `db` 0 is free only while this is 0 too.
+    pub(super) reserved: AtomicU32,
+    /// Leases of the window that expired as losses (`stage_e_core::adapt::is_loss`).
+    pub(super) window_lost: AtomicU32,
+    pub(super) _pad: u32,
 }
 
 /// One backend's hazard slot, alone on its cache line: each backend writes its own twice per

@@ -5,7 +5,11 @@
 //!
 //! A policy change is transactional: the function writes the cap's row in the caller's
 //! transaction, and the change reaches shared memory when that transaction commits (`hooks`);
-//! a rollback, or a rolled-back savepoint, drops both. The learned limit is written back to the
+//! a rollback, or a rolled-back savepoint, drops both. The call checks there is a record for a
+//! new policy, but another session may take the last one before this transaction commits: so
+//! its pre-commit reserves one per cap it sets (`reserve_committing`), raising 53400 (and
+//! rolling the rows back) when none is left, and the commit fills what it reserved. A row that
+//! says adaptive so always has its record in memory. The learned limit is written back to the
 //! row by the flusher, so that a restart resumes from it (`horizons::load` restores it).
 
 use super::{check_name, ready, SlotError};
@@ -84,10 +88,45 @@ pub fn adapt_off(cap: Option<&str>) -> Result<(), SlotError> {
     Ok(())
 }
 
+/// The pre-commit of a transaction that changed policies (`hooks`): a record for each cap it
+/// leaves adaptive, reserved until the transaction ends; an ERROR 53400 here rolls back the
+/// rows it wrote, when another session took the last record since the call.
+pub fn reserve_committing(changes: &[session::PendingPolicy]) {
+    let mut set: Vec<&str> = Vec::new();
+    for c in changes {
+        set.retain(|&cap| cap != c.cap);
+        if matches!(c.change, PolicyChange::Set { .. }) {
+            set.push(&c.cap);
+        }
+    }
+    if set.is_empty() {
+        return;
+    }
+    if let Err(e) = shmem::reserve(session::database(), &set) {
+        crate::report::error(
+            pgrx::PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            "stage_e_slots has no room for another adaptive cap".into(),
+            format!(
+                "All {} adaptive policy records (stage_e_slots.max_adaptive_caps) were taken \
+                 by other sessions before this transaction committed; it is rolled back, and no \
+                 policy changed.",
+                e.max
+            ),
+            Some(
+                "Turn adaptation off for caps that need it no longer (stage_e_adapt_off), or \
+                 raise stage_e_slots.max_adaptive_caps in postgresql.conf and restart; then \
+                 run the transaction again."
+                    .into(),
+            ),
+        );
+    }
+}
+
 /// The commit of a transaction that changed policies (`hooks`): each reaches shared memory, in
-/// order, and is logged (the line was made at the call, where catalogs can be read). No ERROR may be raised here: a policy that no longer finds a record (another
-/// database took the last one since the call looked) is said in a WARNING, and its cap keeps
-/// the caller's n alone.
+/// order, and is logged (the line was made at the call, where catalogs can be read). The
+/// pre-commit reserved a record for each cap it sets, so none should fail; no ERROR may be
+/// raised here, so one that did would be said in a WARNING (its cap keeping the caller's n
+/// alone). The reservations end with the transaction (`hooks`).
 pub fn apply_committed(changes: Vec<session::PendingPolicy>) {
     let db = session::database();
     let now = session::now();

@@ -616,12 +616,14 @@ fn expire_and_count(cap: &Cap, now: i64) -> usize {
     expired.len()
 }
 
-/// Counts an expired lease (expired, and its holding time) and says so in the log.
+/// Counts an expired lease (expired, and its holding time; a loss for its cap's adaptive policy
+/// if it held its slot long enough: `shmem::note_expiry`) and says so in the log.
 fn count_expired(cap: &Cap, lease: &shmem::LeaseInfo, now: i64) {
     let held = (now - lease.acquired_at).max(0);
     cap.counters().bump(Counter::Expired, 1);
     cap.counters().bump(Counter::HoldTime, held as u64);
     cap.observe(Metric::Hold, held as u64);
+    shmem::note_expiry(cap, held);
     // The token is a key to the slot: the server log only, never the client of this backend
     // (which may be another role's, with client_min_messages = log).
     crate::report::log_server_only(format!(
