@@ -14,6 +14,11 @@
 //!   vanished, at exit. So a set bit never outlives its lock past the holder's transaction.
 //! - Shared memory is touched only with the cap pinned (`shmem::Cap`), so a cap is never
 //!   reclaimed or moved under a backend that is using it.
+//! - No pin is kept across a wait for another process (a release, the flusher's advance): a
+//!   grow waits for the cap's pins, and the process waited for may be waiting behind the grow
+//!   (`admission` names the cycle a waiting lease made). The waiter pins again after, and
+//!   checks again. Left pinned: waiting out a hold (`wait_out_hold`, for the clock) and a
+//!   flush's wait for another's (`flush`); a grow meanwhile fails, `CapError::Busy`.
 
 pub mod admission;
 pub mod held;
@@ -259,8 +264,9 @@ pub fn lease(
     let ttl_us = check_ttl(ttl_us)?;
     let kind = Kind::Lease { ttl_us };
     // A lease whose expiry the committed horizon does not cover gives its slot back and waits
-    // for the launcher's advance (the first lease of a cap, a longer ttl than before); the
-    // advance leaves a step of room, so the second try fits.
+    // for the launcher's advance (the first lease of a cap, a longer ttl than before), holding
+    // no pin of the cap (`admission`: a grow of the cap would wait for it, and the advance for
+    // the grow); the advance leaves a step of room, so the second try fits.
     for _ in 0..3 {
         let got = match acquire(cap, n, Some(1), wait, kind) {
             // Every lease record is live: free the expired ones of every cap, and try once more.
@@ -272,10 +278,11 @@ pub fn lease(
         match got {
             Err(SlotError::NeedsRoom { expires_at, token }) => {
                 let name = check_name(cap)?;
-                let Some(pinned) = existing(name) else {
-                    continue; // reclaimed meanwhile: a new cap starts over
+                // Reclaimed meanwhile (now or during the wait): a new cap starts over.
+                let Some(at) = existing(name).map(|pinned| pinned.at) else {
+                    continue;
                 };
-                admission::wait_for_room(&pinned, expires_at, token)?;
+                admission::wait_for_room(at, name, expires_at, token)?;
             }
             other => return Ok(other?.map(|t| t.first())),
         }
@@ -700,7 +707,7 @@ pub fn settle_lease(
     };
     let releasing = ttl_us.is_none();
     // Counted on the cap if it exists here; this never creates one.
-    let Some(cap) = existing(name) else {
+    let Some(mut cap) = existing(name) else {
         return Ok(LeaseOutcome::NotCurrent { current: None });
     };
     // A live lease belongs to the role that took it: anyone else presenting its token, or a
@@ -708,31 +715,50 @@ pub fn settle_lease(
     // slot's lease is a stale one of the slot (tokens only grow): its holder's lease expired
     // and the slot was leased again, by whichever role; that holder lost it, false and a
     // WARNING, as for any stale token.
-    if let Some(l) = cap.lease_of(slot) {
-        if token as u64 >= l.token && !session::may_act_for(l.owner) {
-            return Err(SlotError::named(
+    let owner_check = |cap: &Cap| match cap.lease_of(slot) {
+        Some(l) if token as u64 >= l.token && !session::may_act_for(l.owner) => {
+            Err(SlotError::named(
                 name,
                 NamedError::NotLeaseOwner {
                     slot,
                     owner: l.owner,
                 },
-            ));
+            ))
         }
-    }
+        _ => Ok(()),
+    };
+    owner_check(&cap)?;
     let mut now = session::now();
     let mut extend_to = ttl_us.map(|t| now.saturating_add(t));
-    if let (Some(t), Some(ttl)) = (extend_to, ttl_us) {
-        // A renewal, too, only to an expiry the committed horizon covers; a renewal that will
-        // fail (another token, an expired lease) waits for nothing.
-        let renewable = || {
-            cap.lease_of(slot)
-                .is_some_and(|l| l.token == token as u64 && l.expires_at > now)
-        };
-        if admission::has_horizon() && renewable() && admission::check_room(&cap, t, 0).is_err() {
-            admission::wait_for_room(&cap, t, 0)?;
-            now = session::now();
-            extend_to = Some(now.saturating_add(ttl));
+    // A renewal, too, only to an expiry the committed horizon covers; a renewal that will fail
+    // (another token, an expired lease) waits for nothing. It waits unpinned (`admission`), so
+    // after each wait the cap is pinned and every check made again, the room for the expiry
+    // the renewal will now have included.
+    let mut waits = 0;
+    while let (Some(t), Some(ttl)) = (extend_to, ttl_us) {
+        let renewable = cap
+            .lease_of(slot)
+            .is_some_and(|l| l.token == token as u64 && l.expires_at > now);
+        if !(admission::has_horizon() && renewable && admission::check_room(&cap, t, 0).is_err()) {
+            break;
         }
+        if waits == 3 {
+            return Err(SlotError::named(name, NamedError::NoDurableRoom));
+        }
+        waits += 1;
+        let at = cap.at;
+        drop(cap);
+        // Reclaimed meanwhile: it had no live lease left, so none of this token.
+        let repinned = admission::wait_for_room(at, name, t, 0)?
+            .then(|| shmem::pin(at))
+            .flatten();
+        let Some(pinned) = repinned else {
+            return Ok(LeaseOutcome::NotCurrent { current: None });
+        };
+        cap = pinned;
+        owner_check(&cap)?;
+        now = session::now();
+        extend_to = Some(now.saturating_add(ttl));
     }
     Ok(match cap.settle_lease(slot, token as u64, now, extend_to) {
         shmem::LeaseCheck::Live(info) => {
