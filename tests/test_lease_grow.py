@@ -1,10 +1,12 @@
-"""A cap's first lease and a grow of the same cap, at once (issue 35).
+"""Calls that wait, and a grow of their cap meanwhile (issue 35): a cap's first lease, a renewal
+and a call waiting out a hold.
 
 A lease whose expiry the cap's committed horizon does not cover (the cap's first) waits for the
 launcher's flusher to commit an advance. A call with a larger n than the cap has held moves the
 cap to a larger block, which waits until no call pins the cap. The lease used to wait pinning
 the cap, and the flusher's advance pins it too: lease -> flusher -> grow -> lease, until the grow
-gave up (55006, after about 2 s) and the lease went on. A lease now waits for its room unpinned.
+gave up (55006, after about 2 s) and the lease went on. A lease now waits for its room unpinned,
+and so does a call waiting out a hold (no cycle there, but the grow failed all the same).
 """
 
 import threading
@@ -12,6 +14,7 @@ import time
 
 from conftest import one, wait_for
 from test_leases import launcher_paused, lease, release_lease
+from test_lifecycle import DB, crash_restart, running
 
 # "Well under a second" (the issue): the calls take a few ms and the advance one flush round
 # trip; the old cycle lasted until the grow gave up, about 2 s.
@@ -154,3 +157,35 @@ def test_several_first_leases_and_a_grow_at_once_all_succeed_fast(connect):
         for c, (got, _) in zip(leasers, out):
             assert release_lease(c, cap, *got) is True
         grower.execute("SELECT stage_e_release_all()")
+
+
+def test_a_grow_does_not_wait_for_a_call_waiting_out_a_hold():
+    """After a crash, recovery_hold holds back a cap with a counter row; a call that may wait
+    waits the hold out, and a grow of the cap meanwhile goes through at once (it used to wait
+    for the waiting call's pin and fail with 55006): the grower is throttled, NULL, as the hold
+    says."""
+    with running("grow_hold", {"stage_e_slots.recovery_hold": "'30s'"}) as c:
+        with c.connect(DB) as s:
+            assert one(s, "SELECT stage_e_try_slot('held', 2)") == 0
+            s.execute("SELECT stage_e_flush()")  # its counter row: held after the crash
+            crash_restart(c)
+        with c.connect(DB, "waiter") as waiter, c.connect(DB, "grower") as grower:
+            for conn in (waiter, grower):  # the database loaded, before the race
+                assert one(conn, "SELECT stage_e_try_slot('free', 2)") is not None
+            result = [None]
+
+            def wait_out():
+                result[0] = timed(waiter, "SELECT stage_e_try_slot('held', 2, '3 s'::interval)",
+                                  ())
+
+            t = threading.Thread(target=wait_out)
+            t.start()
+            wait_for(lambda: one(grower, "SELECT state = 'active' FROM pg_stat_activity "
+                                 "WHERE application_name = 'waiter'"),
+                     timeout=5, interval=0.01, what="the waiter to run")
+            got, took = timed(grower, GROW, ("held",))
+            assert not isinstance(got, Exception), got
+            assert got == (None,), got  # held back: throttled
+            assert took < FAST, f"the grow took {took:.3f} s"
+            t.join(timeout=15)
+            assert result[0][0] == (None,), result[0]  # waited its 3 s out, then throttled

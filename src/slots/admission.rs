@@ -13,7 +13,9 @@
 //! end. Nothing moved until the grow gave up (`CapError::Busy`, after about 2 s). Unpinned
 //! between looks, the lease lets the grow finish at once; the caller then takes the cap again
 //! and checks everything anew under a fresh pin (a lease is searched for and granted again, a
-//! renewal's room and owner are checked again), so the wait relaxes nothing.
+//! renewal's room and owner are checked again), so the wait relaxes nothing. A call waiting
+//! out a hold (which waits only for the clock) looks the same way, so that a grow of the cap
+//! does not give up on it (55006), and is admitted afresh after.
 
 use super::{NamedError, SlotError};
 use crate::gucs;
@@ -124,11 +126,16 @@ pub enum Hold {
     Throttled,
 }
 
-/// Waits out the cap's hold if the call's wait allows; throttled otherwise.
-pub fn through_hold(cap: &Cap, deadline: Option<Instant>) -> Hold {
+/// Waits out the hold of the cap `at` if the call's wait allows; throttled otherwise. Pinned
+/// only to look, as the wait for room is: a grow of the cap goes on meanwhile.
+pub fn through_hold(at: CapRef, deadline: Option<Instant>) -> Hold {
     loop {
         let now = session::now();
-        let Some((until, _)) = cap.held_until(now) else {
+        // Reclaimed: a held cap is not idle, so its hold has ended.
+        let Some(held) = shmem::pin(at).map(|cap| cap.held_until(now)) else {
+            return Hold::Free;
+        };
+        let Some((until, _)) = held else {
             return Hold::Free;
         };
         let left = Duration::from_micros((until - now).max(0) as u64);

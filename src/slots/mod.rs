@@ -17,8 +17,8 @@
 //! - No pin is kept across a wait for another process (a release, the flusher's advance): a
 //!   grow waits for the cap's pins, and the process waited for may be waiting behind the grow
 //!   (`admission` names the cycle a waiting lease made). The waiter pins again after, and
-//!   checks again. Left pinned: waiting out a hold (`wait_out_hold`, for the clock) and a
-//!   flush's wait for another's (`flush`); a grow meanwhile fails, `CapError::Busy`.
+//!   checks again. Left pinned: a flush's wait for another's (`flush`); a grow meanwhile
+//!   fails, `CapError::Busy`.
 
 pub mod admission;
 pub mod held;
@@ -365,19 +365,32 @@ fn admit(
             return Err(SlotError::TooManySessionSlots { held, k, max });
         }
     }
-    let cap = for_acquire(name, n)?;
-    cap.note_n(n);
-    let Some(n) = within_limit(&cap, n, k) else {
-        return Ok(None);
-    };
     let mut wait = wait;
-    if cap.held_until(session::statement_start()).is_some() {
-        match wait_out_hold(&cap, wait) {
+    // Held back at the statement's start; after waiting the hold out, at the clock's now.
+    let mut at = session::statement_start();
+    loop {
+        let cap = for_acquire(name, n)?;
+        cap.note_n(n);
+        let Some(limited) = within_limit(&cap, n, k) else {
+            return Ok(None);
+        };
+        if cap.held_until(at).is_none() {
+            return Ok(Some(Admitted {
+                cap,
+                n: limited,
+                k,
+                wait,
+            }));
+        }
+        // Waited out unpinned (a grow of the cap goes on meanwhile), then admitted afresh.
+        let r = cap.at;
+        drop(cap);
+        match wait_out_hold(r, wait) {
             Some(left) => wait = left,
             None => return Ok(None),
         }
+        at = session::now();
     }
-    Ok(Some(Admitted { cap, n, k, wait }))
 }
 
 /// An adaptive cap (`shmem::policies`): slots of [0, least(n, limit)) only, and `search` stops
@@ -405,7 +418,7 @@ fn record(cap: &Cap, k: u32, got: Taken) -> Taken {
 /// left once it has (None: throttled, counted).
 #[cold]
 #[inline(never)]
-fn wait_out_hold(cap: &Cap, wait: Wait) -> Option<Wait> {
+fn wait_out_hold(cap: shmem::CapRef, wait: Wait) -> Option<Wait> {
     let started = std::time::Instant::now();
     let deadline = match wait {
         Wait::No => Some(started),
@@ -413,7 +426,10 @@ fn wait_out_hold(cap: &Cap, wait: Wait) -> Option<Wait> {
         Wait::Forever => None,
     };
     if let admission::Hold::Throttled = admission::through_hold(cap, deadline) {
-        cap.counters().bump(Counter::Throttled, 1);
+        // A held cap is not idle, so it is still there to count on.
+        if let Some(cap) = shmem::pin(cap) {
+            cap.counters().bump(Counter::Throttled, 1);
+        }
         return None;
     }
     Some(match wait {
