@@ -387,7 +387,9 @@ impl Segment {
 
     /// Locks the entry of `cap` (no new pin starts) and waits, holding no LWLock, for its pins
     /// to end; None if it was reclaimed or is locked by another process meanwhile (the caller
-    /// looks it up again). The caller moves it (`move_block`) and unlocks it.
+    /// looks it up again). The caller moves it (`move_block`) and unlocks it. A pin that waits
+    /// on another process would stall this (that process may be waiting to pin the entry), so
+    /// none does (`slots`' invariants); one that stays is refused, `Busy`, after about 2 s.
     fn lock_for_growing(&self, cap: CapRef) -> Result<Option<u64>, CapError> {
         let e = self.entry(cap.entry);
         let Some(before) = e.state.lock_at(cap.generation) else {

@@ -5,11 +5,22 @@
 //! Each wait here is a poll of shared memory with a deadline (the launcher's flusher does the
 //! work; it commits in its own transaction), answering cancels; none holds a lock or claims a
 //! slot while it waits.
+//!
+//! **No pin across the wait for room.** A lease (or renewal) waiting for its horizon pins its
+//! cap only to look, never while it naps. Pinned, it made a cycle with a grow of the same cap
+//! (issue 35): the lease waited for the flusher's advance; the flusher's advance pins the cap,
+//! so it waited while the grow held the entry LOCKED; the grow waited for the lease's pin to
+//! end. Nothing moved until the grow gave up (`CapError::Busy`, after about 2 s). Unpinned
+//! between looks, the lease lets the grow finish at once; the caller then takes the cap again
+//! and checks everything anew under a fresh pin (a lease is searched for and granted again, a
+//! renewal's room and owner are checked again), so the wait relaxes nothing. A call waiting
+//! out a hold (which waits only for the clock) looks the same way, so that a grow of the cap
+//! does not give up on it (55006), and is admitted afresh after.
 
 use super::{NamedError, SlotError};
 use crate::gucs;
 use crate::session;
-use crate::shmem::{self, Cap};
+use crate::shmem::{self, Cap, CapRef};
 use stage_e_core::lifecycle::Room;
 use std::time::{Duration, Instant};
 
@@ -81,17 +92,30 @@ pub fn check_room(cap: &Cap, expires_at: i64, token: u64) -> Result<(), SlotErro
     }
 }
 
-/// Waits until a lease to `expires_at` with `token` fits under the committed horizon of `cap`.
-pub fn wait_for_room(cap: &Cap, expires_at: i64, token: u64) -> Result<(), SlotError> {
+/// Waits until a lease to `expires_at` with `token` fits under the committed horizon of the
+/// cap `at` (named `name`), pinning it only to look (see the module note): false if the cap
+/// was reclaimed meanwhile. The caller holds no pin of it either, and checks again after.
+pub fn wait_for_room(
+    at: CapRef,
+    name: &str,
+    expires_at: i64,
+    token: u64,
+) -> Result<bool, SlotError> {
     let deadline = Instant::now() + DURABLE_WAIT;
     let margin = gucs::lease_horizon_margin_us();
-    while cap.room(expires_at, token, margin) == Room::Wait {
+    loop {
+        let Some(cap) = shmem::pin(at) else {
+            return Ok(false);
+        };
+        if cap.room(expires_at, token, margin) != Room::Wait {
+            return Ok(true);
+        }
+        drop(cap); // before the nap: a grow of the cap, and the advance behind it, go on
         if Instant::now() >= deadline {
-            return Err(SlotError::named(cap.name(), NamedError::NoDurableRoom));
+            return Err(SlotError::named(name, NamedError::NoDurableRoom));
         }
         session::nap_ms(2);
     }
-    Ok(())
 }
 
 /// What the hold of a cap means for a call that may wait until `deadline` (None: forever).
@@ -102,11 +126,16 @@ pub enum Hold {
     Throttled,
 }
 
-/// Waits out the cap's hold if the call's wait allows; throttled otherwise.
-pub fn through_hold(cap: &Cap, deadline: Option<Instant>) -> Hold {
+/// Waits out the hold of the cap `at` if the call's wait allows; throttled otherwise. Pinned
+/// only to look, as the wait for room is: a grow of the cap goes on meanwhile.
+pub fn through_hold(at: CapRef, deadline: Option<Instant>) -> Hold {
     loop {
         let now = session::now();
-        let Some((until, _)) = cap.held_until(now) else {
+        // Reclaimed: a held cap is not idle, so its hold has ended.
+        let Some(held) = shmem::pin(at).map(|cap| cap.held_until(now)) else {
+            return Hold::Free;
+        };
+        let Some((until, _)) = held else {
             return Hold::Free;
         };
         let left = Duration::from_micros((until - now).max(0) as u64);

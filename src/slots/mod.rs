@@ -14,6 +14,11 @@
 //!   vanished, at exit. So a set bit never outlives its lock past the holder's transaction.
 //! - Shared memory is touched only with the cap pinned (`shmem::Cap`), so a cap is never
 //!   reclaimed or moved under a backend that is using it.
+//! - No pin is kept across a wait for another process (a release, the flusher's advance): a
+//!   grow waits for the cap's pins, and the process waited for may be waiting behind the grow
+//!   (`admission` names the cycle a waiting lease made). The waiter pins again after, and
+//!   checks again. Left pinned: a flush's wait for another's (`flush`); a grow meanwhile
+//!   fails, `CapError::Busy`.
 
 pub mod admission;
 pub mod held;
@@ -259,8 +264,9 @@ pub fn lease(
     let ttl_us = check_ttl(ttl_us)?;
     let kind = Kind::Lease { ttl_us };
     // A lease whose expiry the committed horizon does not cover gives its slot back and waits
-    // for the launcher's advance (the first lease of a cap, a longer ttl than before); the
-    // advance leaves a step of room, so the second try fits.
+    // for the launcher's advance (the first lease of a cap, a longer ttl than before), holding
+    // no pin of the cap (`admission`: a grow of the cap would wait for it, and the advance for
+    // the grow); the advance leaves a step of room, so the second try fits.
     for _ in 0..3 {
         let got = match acquire(cap, n, Some(1), wait, kind) {
             // Every lease record is live: free the expired ones of every cap, and try once more.
@@ -272,10 +278,11 @@ pub fn lease(
         match got {
             Err(SlotError::NeedsRoom { expires_at, token }) => {
                 let name = check_name(cap)?;
-                let Some(pinned) = existing(name) else {
-                    continue; // reclaimed meanwhile: a new cap starts over
+                // Reclaimed meanwhile (now or during the wait): a new cap starts over.
+                let Some(at) = existing(name).map(|pinned| pinned.at) else {
+                    continue;
                 };
-                admission::wait_for_room(&pinned, expires_at, token)?;
+                admission::wait_for_room(at, name, expires_at, token)?;
             }
             other => return Ok(other?.map(|t| t.first())),
         }
@@ -358,19 +365,32 @@ fn admit(
             return Err(SlotError::TooManySessionSlots { held, k, max });
         }
     }
-    let cap = for_acquire(name, n)?;
-    cap.note_n(n);
-    let Some(n) = within_limit(&cap, n, k) else {
-        return Ok(None);
-    };
     let mut wait = wait;
-    if cap.held_until(session::statement_start()).is_some() {
-        match wait_out_hold(&cap, wait) {
+    // Held back at the statement's start; after waiting the hold out, at the clock's now.
+    let mut at = session::statement_start();
+    loop {
+        let cap = for_acquire(name, n)?;
+        cap.note_n(n);
+        let Some(limited) = within_limit(&cap, n, k) else {
+            return Ok(None);
+        };
+        if cap.held_until(at).is_none() {
+            return Ok(Some(Admitted {
+                cap,
+                n: limited,
+                k,
+                wait,
+            }));
+        }
+        // Waited out unpinned (a grow of the cap goes on meanwhile), then admitted afresh.
+        let r = cap.at;
+        drop(cap);
+        match wait_out_hold(r, wait) {
             Some(left) => wait = left,
             None => return Ok(None),
         }
+        at = session::now();
     }
-    Ok(Some(Admitted { cap, n, k, wait }))
 }
 
 /// An adaptive cap (`shmem::policies`): slots of [0, least(n, limit)) only, and `search` stops
@@ -398,7 +418,7 @@ fn record(cap: &Cap, k: u32, got: Taken) -> Taken {
 /// left once it has (None: throttled, counted).
 #[cold]
 #[inline(never)]
-fn wait_out_hold(cap: &Cap, wait: Wait) -> Option<Wait> {
+fn wait_out_hold(cap: shmem::CapRef, wait: Wait) -> Option<Wait> {
     let started = std::time::Instant::now();
     let deadline = match wait {
         Wait::No => Some(started),
@@ -406,7 +426,10 @@ fn wait_out_hold(cap: &Cap, wait: Wait) -> Option<Wait> {
         Wait::Forever => None,
     };
     if let admission::Hold::Throttled = admission::through_hold(cap, deadline) {
-        cap.counters().bump(Counter::Throttled, 1);
+        // A held cap is not idle, so it is still there to count on.
+        if let Some(cap) = shmem::pin(cap) {
+            cap.counters().bump(Counter::Throttled, 1);
+        }
         return None;
     }
     Some(match wait {
@@ -710,7 +733,7 @@ pub fn settle_lease(
     };
     let releasing = ttl_us.is_none();
     // Counted on the cap if it exists here; this never creates one.
-    let Some(cap) = existing(name) else {
+    let Some(mut cap) = existing(name) else {
         return Ok(LeaseOutcome::NotCurrent { current: None });
     };
     // A live lease belongs to the role that took it: anyone else presenting its token, or a
@@ -718,41 +741,57 @@ pub fn settle_lease(
     // slot's lease is a stale one of the slot (tokens only grow): its holder's lease expired
     // and the slot was leased again, by whichever role; that holder lost it, false and a
     // WARNING, as for any stale token.
-    if let Some(l) = cap.lease_of(slot) {
-        if token as u64 >= l.token && !session::may_act_for(l.owner) {
-            return Err(SlotError::named(
+    let owner_check = |cap: &Cap| match cap.lease_of(slot) {
+        Some(l) if token as u64 >= l.token && !session::may_act_for(l.owner) => {
+            Err(SlotError::named(
                 name,
                 NamedError::NotLeaseOwner {
                     slot,
                     owner: l.owner,
                 },
-            ));
+            ))
         }
-    }
+        _ => Ok(()),
+    };
+    owner_check(&cap)?;
     let mut now = session::now();
+    let mut extend_to = ttl_us.map(|t| now.saturating_add(t));
     // A renewal, too, only to an expiry the committed horizon covers; a renewal that will fail
     // (another token, an expired lease) waits for nothing. Like a grant, it counts in the cap's
-    // `granting` from its check until its record (`_granting`, dropped on return), so that a
-    // lowering of the horizon waits for it (`shmem::committed`, "Lowered").
+    // `granting` from its check until its record (`_granting`, dropped on return, before the
+    // pin), so that a lowering of the horizon waits for it (`shmem::committed`, "Lowered"). It
+    // waits unpinned and out of `granting` (`admission`), so after each wait the cap is pinned
+    // and every check made again, the room for the expiry the renewal will now have included.
     let mut _granting = None;
-    if let Some(ttl) = ttl_us {
-        loop {
-            let guard = cap.begin_grant();
-            let t = now.saturating_add(ttl);
-            let renewable = cap
-                .lease_of(slot)
-                .is_some_and(|l| l.token == token as u64 && l.expires_at > now);
-            if !(admission::has_horizon() && renewable) || admission::check_room(&cap, t, 0).is_ok()
-            {
-                _granting = Some(guard);
-                break;
-            }
-            drop(guard);
-            admission::wait_for_room(&cap, t, 0)?;
-            now = session::now();
+    let mut waits = 0;
+    while let (Some(t), Some(ttl)) = (extend_to, ttl_us) {
+        let guard = cap.begin_grant();
+        let renewable = cap
+            .lease_of(slot)
+            .is_some_and(|l| l.token == token as u64 && l.expires_at > now);
+        if !(admission::has_horizon() && renewable && admission::check_room(&cap, t, 0).is_err()) {
+            _granting = Some(guard);
+            break;
         }
+        drop(guard);
+        if waits == 3 {
+            return Err(SlotError::named(name, NamedError::NoDurableRoom));
+        }
+        waits += 1;
+        let at = cap.at;
+        drop(cap);
+        // Reclaimed meanwhile: it had no live lease left, so none of this token.
+        let repinned = admission::wait_for_room(at, name, t, 0)?
+            .then(|| shmem::pin(at))
+            .flatten();
+        let Some(pinned) = repinned else {
+            return Ok(LeaseOutcome::NotCurrent { current: None });
+        };
+        cap = pinned;
+        owner_check(&cap)?;
+        now = session::now();
+        extend_to = Some(now.saturating_add(ttl));
     }
-    let extend_to = ttl_us.map(|t| now.saturating_add(t));
     Ok(match cap.settle_lease(slot, token as u64, now, extend_to) {
         shmem::LeaseCheck::Live(info) => {
             if releasing {
