@@ -694,7 +694,8 @@ def test_bad_bounds_are_class_22_and_change_nothing(aconnect):
             adapt_off(c, cap)
         assert err.value.diag.sqlstate.startswith("22"), (cap, err.value)
     assert limits(observer) == before
-    assert counter_row(observer, "bounded") == before_row
+    # The policy is as it was; its learned limit and baseline are the controller's to move.
+    assert counter_row(observer, "bounded")[:3] == before_row[:3]
     assert counter_row(observer, "untouched") is None
     assert [try_slot(c, "bounded", 8) for _ in range(2)] == [1, None]
     adapt(c, "widest", 1, top)
