@@ -206,7 +206,7 @@ pub fn advance(ext: &Extension) -> Result<Vec<Written>, pgrx::spi::Error> {
         horizons.push(TimestampWithTimeZone::try_from(w.horizon).ok());
         floors.push(w.floor as i64);
         ns.push(w.n as i32);
-        journals.push(lifecycle::encode_journal(&w.journal.0));
+        journals.push(stage_e_core::lease_file::encode_journal(&w.journal.0));
     }
     if caps.is_empty() {
         return Ok(Vec::new());

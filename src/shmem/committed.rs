@@ -48,7 +48,7 @@ pub struct HorizonWrite {
     pub floor: u64,
     pub n: u32,
     /// The journal of the cap's live leases, and the change count it covers.
-    pub journal: (Vec<lifecycle::JournalLease>, u64),
+    pub journal: (Vec<stage_e_core::lease_file::JournalLease>, u64),
 }
 
 impl CapEntry {
@@ -209,7 +209,7 @@ impl Cap {
         };
         let leases = live
             .into_iter()
-            .map(|l| lifecycle::JournalLease {
+            .map(|l| stage_e_core::lease_file::JournalLease {
                 slot: l.slot,
                 token: l.token,
                 expires_at: l.expires_at,

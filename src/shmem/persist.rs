@@ -1,7 +1,7 @@
 //! Pending counts and leases across a clean restart, and the startup hook that restores them:
 //! written at postmaster shutdown, read back at start (the hook first attaches the segment,
 //! `segment`), as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
-//! `stage_e_core::counters::{encode, decode}` and `stage_e_core::lifecycle::LeaseFile`.
+//! `stage_e_core::counters::{encode, decode}` and `stage_e_core::lease_file::LeaseFile`.
 //!
 //! Only the postmaster touches the files: at a clean shutdown (a control file that says "shut
 //! down": an immediate shutdown exits like a clean one, but like a crash it kills the backends
@@ -36,7 +36,8 @@ use super::segment::{self, segment, Segment};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
-use stage_e_core::lifecycle::{self, Checkpoint, LeaseFile, SavedHold, SavedLease, StartKind};
+use stage_e_core::lease_file::{self, Checkpoint, LeaseFile, SavedHold, SavedLease};
+use stage_e_core::lifecycle::StartKind;
 use std::sync::Mutex;
 
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
@@ -119,7 +120,7 @@ pub(super) fn restore_pending(seg: &Segment) {
         }
     }
     let Some(why) = why else { return };
-    let text = lifecycle::stamp(major(), &counters::encode(&kept));
+    let text = lease_file::stamp(major(), &counters::encode(&kept));
     if write_file(PENDING_FILE, &text) {
         pgrx::log!(
             "stage_e_slots: kept the saved counts of {} cap(s) in {PENDING_FILE} for a later \
@@ -145,7 +146,7 @@ fn read_pending(remove: bool) -> Option<Vec<Carried>> {
     if remove {
         let _ = std::fs::remove_file(PENDING_FILE);
     }
-    let body = match lifecycle::unstamp(&text, major()) {
+    let body = match lease_file::unstamp(&text, major()) {
         Ok(body) => body,
         Err(e) => {
             pgrx::log!("stage_e_slots: ignoring {PENDING_FILE}: {e}; its counts are lost");
@@ -334,7 +335,7 @@ fn save_pending(seg: &Segment) {
     }
     if write_file(
         PENDING_FILE,
-        &lifecycle::stamp(major(), &counters::encode(&pending)),
+        &lease_file::stamp(major(), &counters::encode(&pending)),
     ) {
         pgrx::log!(
             "stage_e_slots: saved pending counters of {} cap(s) to {PENDING_FILE}",

@@ -19,7 +19,8 @@
 //!   the cap has waiters;
 //! - `lease`: a lease record's states and fencing-token arithmetic;
 //! - `queue`: a cap's queue of waiters: its count, tickets and seats, and who a release wakes;
-//! - `lifecycle`: the durable horizon and token floor, start kinds, the lease file;
+//! - `lifecycle`: the durable horizon and token floor, start kinds, holds after a crash;
+//! - `lease_file`: the lease journal, the lease file of a clean shutdown, the files' stamp;
 //! - `load`: exponentially weighted load averages;
 //! - `share`: how much of a server-wide pool one database may hold;
 //! - `wait`: how long a call may wait, from an interval;
@@ -39,6 +40,7 @@ pub mod histogram;
 pub mod holder;
 pub mod layout;
 pub mod lease;
+pub mod lease_file;
 pub mod lifecycle;
 pub mod load;
 pub mod occupancy;
