@@ -54,35 +54,45 @@ LEASE = "SELECT slot, token FROM stage_e_lease(%s, %s::int, '10 s'::interval)"
 GROW = "SELECT stage_e_try_slot(%s, 64)"
 
 
+def grows_at_once_while_waiting(observer, grower, cap, waiter, query, params, started):
+    """With the launcher paused, runs `query` on `waiter` (a call that waits for its cap's
+    horizon for as long as the launcher is paused) and, once `started()` says it runs, grows
+    `cap`: the grow must get its slot at once while that call still waits. Returns the call's
+    first row once the launcher ran again."""
+    with launcher_paused(observer):
+        result = [None]
+
+        def call():
+            result[0] = timed(waiter, query, params)
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_for(started, timeout=5, interval=0.01, what="the waiting call to start")
+        assert t.is_alive(), result[0]
+        grown, took = timed(grower, GROW, (cap,))
+        assert not isinstance(grown, Exception), grown
+        assert grown[0] is not None, grown
+        assert took < FAST, f"the grow took {took:.3f} s"
+        assert t.is_alive(), result[0]  # the call still waits for the paused launcher
+    t.join(timeout=15)
+    assert not t.is_alive(), "the waiting call did not return once the launcher ran"
+    got, _ = result[0]
+    assert not isinstance(got, Exception), got
+    return got
+
+
 def test_a_grow_does_not_wait_for_a_lease_waiting_for_its_horizon(connect):
     """With the launcher paused, a cap's first lease waits for its horizon for as long as the
-    pause lasts; a grow of that cap meanwhile goes through at once (it used to wait for the
+    launcher is paused; a grow of its cap meanwhile goes through at once (it used to wait for the
     lease's pin and fail with 55006), and the lease is granted once the launcher runs."""
     leaser, grower, observer = connect("leaser"), connect("grower"), connect("observer")
     assert lease(observer, "warm", 1, "1 s") is not None  # the database is loaded
     cap = "paused"
-    with launcher_paused(observer):
-        result = [None]
 
-        def take_lease():
-            result[0] = timed(leaser, LEASE, (cap, 2))
+    def made():  # the lease makes the cap a few instructions before its wait for the horizon
+        return one(observer, "SELECT n FROM stage_e_stats() WHERE cap = %s", (cap,))
 
-        t = threading.Thread(target=take_lease)
-        t.start()
-        # The lease made the cap (a few instructions before its wait for the horizon, which
-        # lasts while the launcher is paused) ...
-        wait_for(lambda: one(observer, "SELECT n FROM stage_e_stats() WHERE cap = %s", (cap,)),
-                 timeout=5, interval=0.01, what="the lease to make its cap")
-        assert t.is_alive(), result[0]
-        # ... and a grow of its cap does not wait for it.
-        slot, took = timed(grower, GROW, (cap,))
-        assert not isinstance(slot, Exception), slot
-        assert slot[0] is not None, slot
-        assert took < FAST, f"the grow took {took:.3f} s"
-        assert t.is_alive(), result[0]  # the lease still waits for the paused launcher
-    t.join(timeout=15)
-    got, took = result[0]
-    assert not isinstance(got, Exception), got
+    got = grows_at_once_while_waiting(observer, grower, cap, leaser, LEASE, (cap, 2), made)
     assert got[0] is not None
 
 
@@ -93,27 +103,13 @@ def test_a_grow_does_not_wait_for_a_renewal_waiting_for_its_horizon(connect):
     cap = "renewed"
     slot, token = lease(renewer, cap, 2, "10 s")  # its horizon: about 14 s ahead
     renewing = "SELECT stage_e_renew(%s, %s::int, %s::bigint, '5 min'::interval)"
-    with launcher_paused(observer):
-        result = [None]
 
-        def renew():
-            result[0] = timed(renewer, renewing, (cap, slot, token))
+    def running_now():  # the renewal's wait for the horizon starts a few instructions in
+        return one(observer, "SELECT state = 'active' FROM pg_stat_activity "
+                   "WHERE application_name = 'renewer'")
 
-        t = threading.Thread(target=renew)
-        t.start()
-        # The renewal runs (its wait for the horizon starts a few instructions in) ...
-        wait_for(lambda: one(observer, "SELECT state = 'active' FROM pg_stat_activity "
-                             "WHERE application_name = 'renewer'"),
-                 timeout=5, interval=0.01, what="the renewal to run")
-        assert t.is_alive(), result[0]
-        # ... and a grow of its cap does not wait for it.
-        got, took = timed(grower, GROW, (cap,))
-        assert not isinstance(got, Exception), got
-        assert got[0] is not None, got
-        assert took < FAST, f"the grow took {took:.3f} s"
-        assert t.is_alive(), result[0]  # the renewal still waits for the paused launcher
-    t.join(timeout=15)
-    renewed, took = result[0]
+    renewed = grows_at_once_while_waiting(
+        observer, grower, cap, renewer, renewing, (cap, slot, token), running_now)
     assert renewed == (True,), renewed
     assert one(observer, "SELECT expires_at > now() + '4 min' FROM stage_e_slot_holders "
                "WHERE cap = %s AND slot = %s", (cap, slot)) is True

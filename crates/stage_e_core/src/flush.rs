@@ -405,14 +405,21 @@ mod unit {
         (HistValues::default(), HistValues::default())
     }
 
-    #[test]
-    fn a_flush_moves_what_it_read_and_later_counts_stay_pending() {
+    /// A cap's counters with `live` acquisitions counted since the last flush, and a book with
+    /// `carried` more pending from before (the pending file of a clean start).
+    fn acquired(live: u64, carried: u64) -> (Counters, FlushBook) {
         let (counts, book) = (Counters::default(), FlushBook::default());
-        counts.bump(Counter::Acquired, 5);
+        counts.bump(Counter::Acquired, live);
         book.carry(CounterValues {
-            acquired: 2,
+            acquired: carried,
             ..Default::default()
         });
+        (counts, book)
+    }
+
+    #[test]
+    fn a_flush_moves_what_it_read_and_later_counts_stay_pending() {
+        let (counts, book) = acquired(5, 2);
         assert!(book.begin(7) && !book.begin(8) && !book.idle());
         let read = book.read(&counts, no_hist);
         assert_eq!(read.pending(None).acquired, 7);
@@ -442,12 +449,7 @@ mod unit {
 
     #[test]
     fn a_restart_zeroes_the_counts_and_drops_what_is_pending() {
-        let (counts, book) = (Counters::default(), FlushBook::default());
-        counts.bump(Counter::Acquired, 5);
-        book.carry(CounterValues {
-            acquired: 4,
-            ..Default::default()
-        });
+        let (counts, book) = acquired(5, 4);
         assert!(book.begin(7));
         let read = book.read(&counts, no_hist);
         book.set_inflight(1, read.pending(None));

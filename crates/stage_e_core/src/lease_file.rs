@@ -6,7 +6,7 @@
 //! back later is known and the start is a crash.
 
 use crate::lifecycle::HoldReason;
-use std::fmt::Write as _;
+use std::fmt::{Display, Write as _};
 
 /// One lease as the journal and the lease file record it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +149,20 @@ pub fn unstamp(text: &str, major: u32) -> Result<&str, FileError> {
     }
 }
 
+/// One line of the file: its kind, then its fields, separated by spaces.
+fn put_line(out: &mut String, kind: &str, fields: &[&dyn Display]) {
+    out.push_str(kind);
+    for f in fields {
+        let _ = write!(out, " {f}");
+    }
+    out.push('\n');
+}
+
+/// A lock key as the file writes it: `-` for none (a file of 0.6.0).
+fn key_field(key: Option<i32>) -> String {
+    key.map_or("-".to_string(), |k| k.to_string())
+}
+
 fn hex(s: &str) -> String {
     s.bytes().map(|b| format!("{b:02x}")).collect()
 }
@@ -177,30 +191,25 @@ impl LeaseFile {
         };
         let _ = writeln!(out, "tokens {}", self.last_token);
         for l in &self.leases {
-            let _ = writeln!(
-                out,
-                "lease {} {} {} {} {} {} {} {}",
-                l.database,
-                hex(&l.cap),
-                l.slot,
-                l.token,
-                l.acquired_at,
-                l.expires_at,
-                l.owner,
-                l.key.map_or("-".to_string(), |k| k.to_string()),
-            );
+            let cap = hex(&l.cap);
+            let key = key_field(l.key);
+            let fields: [&dyn Display; 8] = [
+                &l.database,
+                &cap,
+                &l.slot,
+                &l.token,
+                &l.acquired_at,
+                &l.expires_at,
+                &l.owner,
+                &key,
+            ];
+            put_line(&mut out, "lease", &fields);
         }
         // (A v2 file has no hold lines.)
         for h in self.holds.iter().filter(|_| self.checkpoint.is_some()) {
-            let _ = writeln!(
-                out,
-                "hold {} {} {} {} {}",
-                h.database,
-                hex(&h.cap),
-                h.until,
-                h.reason as u32,
-                h.key.map_or("-".to_string(), |k| k.to_string()),
-            );
+            let (cap, reason, key) = (hex(&h.cap), h.reason as u32, key_field(h.key));
+            let fields: [&dyn Display; 5] = [&h.database, &cap, &h.until, &reason, &key];
+            put_line(&mut out, "hold", &fields);
         }
         out.push_str("end\n");
         out
