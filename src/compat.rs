@@ -52,6 +52,7 @@ fn default_of(rows: Vec<(String, CounterValues)>) -> CounterValues {
 for_each_counter_0_2_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_stats() -> (max_slots: i32, held: i32) {
+        let _call = crate::report::calling("stage_e_stats");
         let stats = slots::stats().unwrap_or_else(|e| raise(e));
         let counts = stats
             .iter()
@@ -76,6 +77,7 @@ fn stage_e_slot_holders_internal() -> TableIterator<
         name!(acquired_at, Option<TimestampWithTimeZone>),
     ),
 > {
+    let _call = crate::report::calling("stage_e_slot_holders_internal");
     let rows = slots::holders().unwrap_or_else(|e| raise(e));
     TableIterator::new(rows.into_iter().filter(|h| h.cap == DEFAULT_CAP).map(|h| {
         let at = h
@@ -89,6 +91,7 @@ for_each_counter_0_2_0!(
     counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_flush() -> () {
+        let _call = crate::report::calling("stage_e_flush");
         slots::ready().unwrap_or_else(|e| raise(e));
         crate::hooks::ensure();
         let added = flush::flush(Write::Add, Some(DEFAULT_CAP), true)
@@ -102,6 +105,7 @@ for_each_counter_0_2_0!(
     counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_pending(row_flush_id: default!(Option<i64>, "NULL")) -> () {
+        let _call = crate::report::calling("stage_e_pending");
         slots::attached().unwrap_or_else(|e| raise(e));
         vec![((), default_of(flush::pending(row_flush_id)))]
     }
@@ -110,6 +114,7 @@ for_each_counter_0_2_0!(
 /// 0.1.0's document: the `default` cap's counts at the top level.
 #[pg_extern(sql = false)]
 fn stage_e_snapshot() -> Json {
+    let _call = crate::report::calling("stage_e_snapshot");
     let doc = crate::api::snapshot_document();
     let cap = doc["caps"]
         .as_array()
@@ -149,6 +154,7 @@ fn stage_e_snapshot() -> Json {
 for_each_counter_0_2_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_stats_v2() -> (cap: Text, max_slots: i32, held: i32) {
+        let _call = crate::report::calling("stage_e_stats");
         api::stats_rows()
     }
 );
@@ -156,6 +162,7 @@ for_each_counter_0_2_0!(counter_table_fn,
 for_each_counter_0_2_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_flush_v2() -> (cap: Text) {
+        let _call = crate::report::calling("stage_e_flush");
         api::flush_rows()
     }
 );
@@ -163,6 +170,7 @@ for_each_counter_0_2_0!(counter_table_fn,
 for_each_counter_0_2_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_pending_v2(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
+        let _call = crate::report::calling("stage_e_pending");
         api::pending_rows(row_flush_id)
     }
 );
@@ -173,6 +181,7 @@ for_each_counter_0_2_0!(counter_table_fn,
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_stats_v3() -> (cap: Text, max_slots: i32, held: i32) {
+        let _call = crate::report::calling("stage_e_stats");
         api::stats_rows()
     }
 );
@@ -180,6 +189,7 @@ for_each_counter_0_3_0!(counter_table_fn,
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_flush_v3() -> (cap: Text) {
+        let _call = crate::report::calling("stage_e_flush");
         api::flush_rows()
     }
 );
@@ -187,6 +197,7 @@ for_each_counter_0_3_0!(counter_table_fn,
 for_each_counter_0_3_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_pending_v3(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
+        let _call = crate::report::calling("stage_e_pending");
         api::pending_rows(row_flush_id)
     }
 );
@@ -196,6 +207,7 @@ for_each_counter_0_3_0!(counter_table_fn,
 for_each_counter!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_stats_v4() -> (cap: Text, max_slots: i32, held: i32) {
+        let _call = crate::report::calling("stage_e_stats");
         api::stats_rows()
     }
 );
@@ -210,6 +222,7 @@ fn stage_e_slot_holders_internal_v2() -> TableIterator<
         name!(acquired_at, Option<TimestampWithTimeZone>),
     ),
 > {
+    let _call = crate::report::calling("stage_e_slot_holders_internal");
     let rows = slots::holders().unwrap_or_else(|e| raise(e));
     TableIterator::new(rows.into_iter().map(|h| {
         let at = h
@@ -226,5 +239,6 @@ fn stage_e_slot_holders_internal_v2() -> TableIterator<
 /// (`stage_e_try_slot_wait_wrapper`) stays for databases not yet updated.
 #[pg_extern(sql = false)]
 fn stage_e_try_slot_wait(n: Option<i32>, wait: Option<Interval>) -> Option<i32> {
+    let _call = crate::report::calling("stage_e_try_slot");
     api::slots::try_slots(Some(DEFAULT_CAP), n, Some(1), wait).map(|s| s[0])
 }

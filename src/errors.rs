@@ -26,6 +26,7 @@ fn seconds(us: i64) -> String {
 }
 
 /// Raises `e` as an ERROR.
+#[track_caller]
 pub fn raise(e: SlotError) -> ! {
     let d = describe(&e);
     report::error(d.code, d.message, d.detail, d.hint)
@@ -434,6 +435,7 @@ fn pool_unit(pool: Pool) -> &'static str {
     }
 }
 
+#[track_caller]
 pub fn raise_flush(e: FlushError) -> ! {
     match e {
         FlushError::Slots(e) => raise(e),
@@ -452,6 +454,7 @@ pub fn raise_flush(e: FlushError) -> ! {
     }
 }
 
+#[track_caller]
 pub fn raise_not_installed() -> ! {
     report::error(
         PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT,
@@ -462,6 +465,7 @@ pub fn raise_not_installed() -> ! {
 }
 
 /// The WARNING of a release by a session that does not hold the slot.
+#[track_caller]
 pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>, leased: bool) {
     let detail = match (holder, leased) {
         (Some(pid), _) => {
@@ -488,6 +492,7 @@ pub fn warn_not_held(cap: &str, slot: i32, holder: Option<i32>, leased: bool) {
 }
 
 /// The WARNING of a renewal or a release by token that found no live lease with that token.
+#[track_caller]
 pub fn warn_not_current(
     what: &str,
     cap: &str,
@@ -515,6 +520,7 @@ pub fn warn_not_current(
 }
 
 /// The WARNING of a renewal or a release by token of a lease that had expired.
+#[track_caller]
 pub fn warn_expired(what: &str, cap: &str, slot: i32, held_us: i64) {
     report::ereport(
         PgLogLevel::WARNING,

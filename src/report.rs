@@ -1,13 +1,44 @@
 //! How anything of ours reaches the server log or the client: `ereport` and the plain reports
 //! every floor makes (`log`, `fail`, `raise_internal`). The words of each refusal (`describe`,
 //! the SQLSTATEs, details and hints) are `errors`', at the top; this is the plumbing below.
+//!
+//! Location: a report names the SQL function being called (`calling`, set by each function of
+//! `api` on entry) and the line of ours that made it (`#[track_caller]` down to pgrx's
+//! `ErrorReport`, so the line is where a refusal was decided, not this file); a report made
+//! outside any SQL function (a commit callback, the background workers) names the library.
 
 use crate::names;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
+use std::cell::Cell;
+
+thread_local! {
+    /// The SQL function this backend is running, if any (a backend runs one thread).
+    static CALLING: Cell<Option<&'static str>> = const { Cell::new(None) };
+}
+
+/// Names `function` as the SQL function being called until the guard is dropped (at the
+/// function's return, or as an ERROR unwinds out of it); a nested call (through SPI) restores
+/// the outer one.
+#[must_use]
+pub struct Calling(Option<&'static str>);
+
+/// Marks the start of SQL function `function` (its SQL name), for the reports it makes.
+#[inline]
+pub fn calling(function: &'static str) -> Calling {
+    Calling(CALLING.with(|c| c.replace(Some(function))))
+}
+
+impl Drop for Calling {
+    #[inline]
+    fn drop(&mut self) {
+        CALLING.with(|c| c.set(self.0));
+    }
+}
 
 /// Every report of ours is made here: the text, made in UTF-8, is handed over in the server
 /// encoding (`names::message`; pgrx's ErrorReport only copies it into the report).
+#[track_caller]
 pub fn ereport(
     level: PgLogLevel,
     code: PgSqlErrorCode,
@@ -15,7 +46,8 @@ pub fn ereport(
     detail: Option<String>,
     hint: Option<String>,
 ) {
-    let mut e = ErrorReport::new(code, names::message(one_line(message)), "stage_e_slots");
+    let function = CALLING.with(Cell::get).unwrap_or("stage_e_slots");
+    let mut e = ErrorReport::new(code, names::message(one_line(message)), function);
     if let Some(detail) = detail {
         e = e.set_detail(names::message(one_line(detail)));
     }
@@ -46,12 +78,14 @@ pub fn one_line(s: String) -> String {
 }
 
 /// An ERROR with its detail and hint.
+#[track_caller]
 pub fn error(code: PgSqlErrorCode, message: String, detail: String, hint: Option<String>) -> ! {
     ereport(PgLogLevel::ERROR, code, message, Some(detail), hint);
     unreachable!("ereport(ERROR) does not return")
 }
 
 /// An ERROR without a detail (what pgrx's `error!` raises), for the background workers.
+#[track_caller]
 pub fn fail(message: String) -> ! {
     ereport(
         PgLogLevel::ERROR,
@@ -64,6 +98,7 @@ pub fn fail(message: String) -> ! {
 }
 
 /// A LOG line (the server log, and a client with client_min_messages = log).
+#[track_caller]
 pub fn log(message: String) {
     ereport(
         PgLogLevel::LOG,
@@ -76,6 +111,7 @@ pub fn log(message: String) {
 
 /// A LOG line for the server log only (errhidefromclient), for what the client of this
 /// backend must not see.
+#[track_caller]
 pub fn log_server_only(message: String) {
     ereport(
         PgLogLevel::LOG_SERVER_ONLY,
@@ -87,6 +123,7 @@ pub fn log_server_only(message: String) {
 }
 
 /// An ERROR that is a bug of ours.
+#[track_caller]
 pub fn raise_internal(message: String) -> ! {
     error(
         PgSqlErrorCode::ERRCODE_INTERNAL_ERROR,

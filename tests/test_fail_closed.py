@@ -35,6 +35,32 @@ def test_bad_input_is_a_class_22_error_naming_the_bound_and_changes_nothing(conn
     assert slot_lock_holders(observer) == [(0, c.info.backend_pid)]
 
 
+def test_every_refusal_names_the_sql_function_called(connect):
+    """Issue 35: verbose errors said `LOCATION: stage_e_slots, errors.rs:29` for every refusal.
+    Each now names the function called: for a bad argument (a NULL), for a cap name refused as
+    the function reads it (an empty one, a name refused before the function's body ran), and
+    for a WARNING, every function that takes a cap."""
+    c = connect()
+    calls = [(sig, call) for sig, _, call in extension_calls(c) if "(text" in sig]
+    assert len({sig for sig, _ in calls}) >= 12
+    for sig, call in calls:
+        function = sig.split("(")[0]
+        with pytest.raises(psycopg.DataError) as err:  # class 22
+            c.execute("SELECT * FROM " + call.replace("('k'", "(''", 1))
+        assert_names_the_function(err, function, call)
+        with pytest.raises(psycopg.DataError) as err:
+            c.execute("SELECT * FROM " + call.replace("('k'", "(NULL", 1))
+        assert_names_the_function(err, function, call)
+    with pytest.raises(psycopg.DataError) as err:
+        c.execute("SELECT stage_e_try_slot(0)")
+    assert_names_the_function(err, "stage_e_try_slot", "stage_e_try_slot(0)")
+    warnings = []
+    # (A notice's fields are read in the handler: psycopg frees them after it.)
+    c.add_notice_handler(lambda d: warnings.append((d.severity, d.source_function)))
+    assert one(c, "SELECT stage_e_release('k', 0)") is False
+    assert warnings == [("WARNING", "stage_e_release")]
+
+
 def test_bad_input_does_not_throttle_or_foreign_count(connect):
     c = connect()
     for call, _ in BAD_CALLS:
@@ -63,9 +89,20 @@ def not_preloaded():
     c.destroy()
 
 
-def assert_not_preloaded_error(c, call):
+def assert_names_the_function(err, function, call):
+    """A report's LOCATION (verbose clients, log_error_verbosity = verbose) names the SQL
+    function called and the line of ours that decided it, not the plumbing that reports it."""
+    d = err.value.diag
+    assert d.source_function == function, (call, d.source_function)
+    assert d.source_file and d.source_file.endswith(".rs"), (call, d.source_file)
+    assert not d.source_file.endswith(("errors.rs", "report.rs")), (call, d.source_file)
+
+
+def assert_not_preloaded_error(c, call, function=None):
     with pytest.raises(errors.ObjectNotInPrerequisiteState) as err:
         c.execute(call)
+    if function is not None:
+        assert_names_the_function(err, function, call)
     assert "shared_preload_libraries" in err.value.diag.message_primary, call
     assert "shared_preload_libraries = 'stage_e_slots'" in err.value.diag.message_hint, call
     # And nothing was locked behind the error.
@@ -88,8 +125,8 @@ def test_not_preloaded_every_function_errors_with_a_hint(not_preloaded):
     with not_preloaded.connect() as c:
         calls = extension_calls(c)
         assert len({sig for sig, _, _ in calls}) >= 30
-        for _, _, call in calls:
-            assert_not_preloaded_error(c, f"SELECT * FROM {call}")
+        for sig, _, call in calls:
+            assert_not_preloaded_error(c, f"SELECT * FROM {call}", sig.split("(")[0])
 
 
 def test_custom_key_and_bounds_are_honoured():

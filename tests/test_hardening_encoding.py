@@ -273,6 +273,10 @@ def test_bytes_that_are_not_utf8_are_refused_with_22021_in_sql_ascii(ec, opened)
         assert "a cap name is read as UTF-8" in d.message_detail
         assert "nothing was taken or changed" in d.message_detail
         assert d.message_hint.startswith("Send cap names in UTF-8")
+        # Refused as the function reads the name (a name refused while the arguments were
+        # converted named no function): LOCATION names the one called (issue 35).
+        function = call.split(b"(")[0].split()[-1].decode()
+        assert d.source_function == function, (call, d.source_function)
     # Nothing changed: no cap, no lock, no count, no row.
     s = session(ec, "SQL_ASCII", opened)
     assert caps_of(s, "stage_e_stats()") == []

@@ -21,6 +21,7 @@ fn stage_e_adapt(
     max_slots: Option<i32>,
     enforce: default!(Option<bool>, "true"),
 ) {
+    let _call = crate::report::calling("stage_e_adapt");
     hooks::ensure(); // applies the change at the commit
     slots::limits::adapt(cap.as_deref(), min_slots, max_slots, enforce).unwrap_or_else(|e| raise(e))
 }
@@ -28,6 +29,7 @@ fn stage_e_adapt(
 /// Returns cap `cap` to the caller's n alone, from the commit of the calling transaction.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_adapt_off(cap: Option<CapArg<'_>>) {
+    let _call = crate::report::calling("stage_e_adapt_off");
     hooks::ensure(); // applies the change at the commit
     slots::limits::adapt_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
 }
@@ -51,6 +53,7 @@ fn stage_e_cap_limits_internal() -> TableIterator<
         name!(reason, Text),
     ),
 > {
+    let _call = crate::report::calling("stage_e_cap_limits_internal");
     let rows = slots::limits::cap_limits().unwrap_or_else(|e| raise(e));
     let us = |x: Option<f64>| x.map(|us| sql::interval_us(us.round() as u64));
     TableIterator::new(rows.into_iter().map(move |r| {

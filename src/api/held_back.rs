@@ -17,6 +17,7 @@ fn stage_e_held_back_internal() -> TableIterator<
         name!(reason, String),
     ),
 > {
+    let _call = crate::report::calling("stage_e_held_back_internal");
     let rows = slots::held_back().unwrap_or_else(|e| raise(e));
     TableIterator::new(rows.into_iter().map(|h| {
         (

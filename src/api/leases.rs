@@ -27,6 +27,7 @@ fn stage_e_lease(
     wait: default!(Option<Interval>, "'0'"),
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> Option<pgrx::composite_type!('static, "stage_e_lease_slot")> {
+    let _call = crate::report::calling("stage_e_lease");
     let wait = to_wait(wait);
     hooks::ensure();
     let got =
@@ -56,6 +57,7 @@ fn stage_e_renew(
     token: Option<i64>,
     ttl: Option<Interval>,
 ) -> bool {
+    let _call = crate::report::calling("stage_e_renew");
     settle_lease(
         "stage_e_renew",
         cap.as_deref(),
@@ -71,6 +73,7 @@ fn stage_e_renew(
 /// (and a foreign release counted) otherwise, so a stale holder never frees a later one's slot.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_release_lease(cap: Option<CapArg<'_>>, slot: Option<i32>, token: Option<i64>) -> bool {
+    let _call = crate::report::calling("stage_e_release_lease");
     settle_lease(
         "stage_e_release_lease",
         cap.as_deref(),
@@ -106,6 +109,7 @@ fn settle_lease(
 /// than every earlier token of the cap, leases included, also across restarts.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_slot_token(cap: Option<CapArg<'_>>, slot: Option<i32>) -> Option<i64> {
+    let _call = crate::report::calling("stage_e_slot_token");
     slots::slot_token(cap.as_deref(), slot)
         .unwrap_or_else(|e| raise(e))
         .map(|t| t as i64)
@@ -116,5 +120,6 @@ fn stage_e_slot_token(cap: Option<CapArg<'_>>, slot: Option<i32>) -> Option<i64>
 /// as the cap's counter row lives (src/keys.rs).
 #[pg_extern(stable, parallel_safe)]
 fn stage_e_cap_key(cap: Option<CapArg<'_>>) -> i32 {
+    let _call = crate::report::calling("stage_e_cap_key");
     slots::cap_key(cap.as_deref()).unwrap_or_else(|e| raise(e))
 }

@@ -20,14 +20,30 @@ use stage_e_core::wait::{self, Wait};
 use std::borrow::Cow;
 
 /// A cap name argument: SQL `text`, as UTF-8 (converted from the server encoding when the
-/// function is called, see `names`' doc). Dereferences to the name.
-pub struct CapArg<'fcx>(Cow<'fcx, str>);
+/// function is called, see `names`' doc). Dereferences to the name. A name that cannot be one
+/// is kept as its bytes and refused where the function first reads it, in the function's body,
+/// so that the ERROR names that function (`report::calling`: arguments are converted before the
+/// body runs).
+pub struct CapArg<'fcx>(Result<Cow<'fcx, str>, &'fcx [u8]>);
 
 impl std::ops::Deref for CapArg<'_> {
     type Target = str;
 
+    #[inline]
     fn deref(&self) -> &str {
-        &self.0
+        match &self.0 {
+            Ok(name) => name,
+            Err(bytes) => refuse_name(bytes),
+        }
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn refuse_name(bytes: &[u8]) -> ! {
+    match names::name_in(bytes) {
+        Err(e) => raise(e),
+        Ok(_) => crate::report::raise_internal("a cap name refused once was accepted".into()),
     }
 }
 
@@ -38,7 +54,7 @@ unsafe impl<'fcx> ArgAbi<'fcx> for CapArg<'fcx> {
     unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
         // SAFETY: per the trait's contract, a non-NULL `text` argument.
         let bytes: &'fcx [u8] = unsafe { arg.unbox_unchecked() };
-        CapArg(names::name_in(bytes).unwrap_or_else(|e| raise(e)))
+        CapArg(names::name_in(bytes).map_err(|_| bytes))
     }
 }
 

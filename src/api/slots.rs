@@ -13,12 +13,14 @@ use stage_e_core::directory::DEFAULT_CAP;
 /// taken.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_try_slot(n: Option<i32>) -> Option<i32> {
+    let _call = crate::report::calling("stage_e_try_slot");
     try_slot(Some(DEFAULT_CAP), n)
 }
 
 /// A slot in `[0, n)` of cap `cap` that this session now holds, or NULL when all n are taken.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
 fn stage_e_try_slot_cap(cap: Option<CapArg<'_>>, n: Option<i32>) -> Option<i32> {
+    let _call = crate::report::calling("stage_e_try_slot");
     try_slot(cap.as_deref(), n)
 }
 
@@ -30,6 +32,7 @@ fn stage_e_try_slot_wait_cap(
     n: Option<i32>,
     wait: Option<Interval>,
 ) -> Option<i32> {
+    let _call = crate::report::calling("stage_e_try_slot");
     try_slots(cap.as_deref(), n, Some(1), wait).map(|s| s[0])
 }
 
@@ -42,6 +45,7 @@ fn stage_e_try_slots(
     k: Option<i32>,
     wait: default!(Option<Interval>, "'0'"),
 ) -> Option<Vec<i32>> {
+    let _call = crate::report::calling("stage_e_try_slots");
     try_slots(cap.as_deref(), n, k, wait)
 }
 
@@ -69,6 +73,7 @@ fn try_slot(cap: Option<&str>, n: Option<i32>) -> Option<i32> {
 /// otherwise.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_release(slot: Option<i32>) -> bool {
+    let _call = crate::report::calling("stage_e_release");
     release(Some(DEFAULT_CAP), slot)
 }
 
@@ -76,6 +81,7 @@ fn stage_e_release(slot: Option<i32>) -> bool {
 /// otherwise.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_release")]
 fn stage_e_release_cap(cap: Option<CapArg<'_>>, slot: Option<i32>) -> bool {
+    let _call = crate::report::calling("stage_e_release");
     release(cap.as_deref(), slot)
 }
 
@@ -93,23 +99,27 @@ fn release(cap: Option<&str>, slot: Option<i32>) -> bool {
 /// Releases every slot this session took with stage_e_try_slot, of every cap; returns how many.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_release_all() -> i32 {
+    let _call = crate::report::calling("stage_e_release_all");
     slots::release_all(Caps::Every).unwrap_or_else(|e| raise(e)) as i32
 }
 
 /// Releases every slot of `cap` this session took; returns how many.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_release_all")]
 fn stage_e_release_all_cap(cap: Option<CapArg<'_>>) -> i32 {
+    let _call = crate::report::calling("stage_e_release_all");
     slots::release_all(Caps::One(cap.as_deref())).unwrap_or_else(|e| raise(e)) as i32
 }
 
 /// Whether this session holds the slot of `default` right now.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_holding(slot: Option<i32>) -> bool {
+    let _call = crate::report::calling("stage_e_holding");
     slots::holding(Some(DEFAULT_CAP), slot).unwrap_or_else(|e| raise(e))
 }
 
 /// Whether this session holds the slot of `cap` right now.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_holding")]
 fn stage_e_holding_cap(cap: Option<CapArg<'_>>, slot: Option<i32>) -> bool {
+    let _call = crate::report::calling("stage_e_holding");
     slots::holding(cap.as_deref(), slot).unwrap_or_else(|e| raise(e))
 }

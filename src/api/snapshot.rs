@@ -90,6 +90,7 @@ struct Snapshot {
 /// document, for monitoring agents (postgres_exporter custom queries, Grafana).
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_snapshot")]
 fn stage_e_snapshot_v2() -> Json {
+    let _call = crate::report::calling("stage_e_snapshot");
     Json(snapshot_document())
 }
 

@@ -23,6 +23,7 @@ for_each_counter!(counter_table_fn,
     /// the slots held now (from the lock manager) and the cap's current n.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
     fn stage_e_stats_v5() -> (cap: Text, max_slots: i32, held: i32, n: CurrentN) {
+        let _call = crate::report::calling("stage_e_stats");
         let max_slots = gucs::max_slots() as i32;
         slots::stats()
             .unwrap_or_else(|e| raise(e))
@@ -61,6 +62,7 @@ fn stage_e_histograms() -> TableIterator<
         name!(seconds_count, i64),
     ),
 > {
+    let _call = crate::report::calling("stage_e_histograms");
     let bounds = histogram::bounds_seconds().to_vec();
     let rows = slots::stats().unwrap_or_else(|e| raise(e));
     TableIterator::new(rows.into_iter().flat_map(move |s| {
@@ -98,6 +100,7 @@ fn stage_e_histogram_quantiles_internal() -> TableIterator<
         name!(p99, Option<Interval>),
     ),
 > {
+    let _call = crate::report::calling("stage_e_histogram_quantiles_internal");
     let rows = slots::stats().unwrap_or_else(|e| raise(e));
     let at = |q: f64, b: &[u64; histogram::BUCKETS]| {
         histogram::quantile(q, b).map(|s| sql::interval_us((s * 1e6).round() as u64))
@@ -132,6 +135,7 @@ fn stage_e_slot_holders_internal_v3() -> TableIterator<
         name!(expires_at, Option<TimestampWithTimeZone>),
     ),
 > {
+    let _call = crate::report::calling("stage_e_slot_holders_internal");
     let rows = slots::holders().unwrap_or_else(|e| raise(e));
     let at = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
     TableIterator::new(rows.into_iter().map(move |h| {
@@ -151,6 +155,7 @@ for_each_counter!(counter_table_fn,
     /// added, per cap. Restricted (EXECUTE revoked from PUBLIC): superusers and the owner.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_flush")]
     fn stage_e_flush_v4() -> (cap: Text) {
+        let _call = crate::report::calling("stage_e_flush");
         flush_rows()
     }
 );
@@ -170,12 +175,14 @@ pub fn flush_rows() -> Vec<((Text,), CounterValues)> {
 /// Zeroes every cap's stage_e_throttle_counter row and pending counts. Restricted.
 #[pg_extern(volatile, parallel_unsafe)]
 fn stage_e_reset_stats() {
+    let _call = crate::report::calling("stage_e_reset_stats");
     reset(None)
 }
 
 /// Zeroes one cap's row and pending counts. Restricted.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_reset_stats")]
 fn stage_e_reset_stats_cap(cap: Option<CapArg<'_>>) {
+    let _call = crate::report::calling("stage_e_reset_stats");
     let cap = cap.as_deref();
     let cap = Some(slots::valid_cap(cap).unwrap_or_else(|e| raise(e)));
     reset(cap)
@@ -207,6 +214,7 @@ for_each_counter!(counter_table_fn,
     /// is not counted twice.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_pending")]
     fn stage_e_pending_v4(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
+        let _call = crate::report::calling("stage_e_pending");
         pending_rows(row_flush_id)
     }
 );
@@ -234,6 +242,7 @@ fn stage_e_slot_waiters_internal() -> TableIterator<
         name!(position, i32),
     ),
 > {
+    let _call = crate::report::calling("stage_e_slot_waiters_internal");
     let rows = slots::waiters().unwrap_or_else(|e| raise(e));
     TableIterator::new(rows.into_iter().map(|w| {
         let since = TimestampWithTimeZone::try_from(w.since).ok();
@@ -263,6 +272,7 @@ fn stage_e_cap_load_internal() -> TableIterator<
         name!(throttled_per_min_15m, f64),
     ),
 > {
+    let _call = crate::report::calling("stage_e_cap_load_internal");
     let rows = slots::load().unwrap_or_else(|e| raise(e));
     TableIterator::new(rows.into_iter().map(|l| {
         let [h1, h5, h15] = l.held;
