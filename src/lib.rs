@@ -11,7 +11,7 @@
 //!
 //! 1. `backend`, `failures`, `ffi`, `gucs`: backend statics, errors as data, raw calls, settings
 //! 2. `names`, `locks`: text at the encoding's edge, the lock manager (failures, gucs; ffi)
-//! 3. `report`, `sql`: ereport plumbing (`log`, `fail`), every statement we run (names, gucs)
+//! 3. `report`, `sql`: ereport plumbing (`log`, `fail`), every statement we run (names, gucs, backend)
 //! 4. `shmem`: shared state, one file per concern (report, failures, gucs, backend)
 //! 5. `session`: this backend's state and identity (shmem, names, gucs, ffi, backend)
 //! 6. `keys`, `flush`: which advisory locks are a cap's slots; durable counts (session, sql, ...)

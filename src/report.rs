@@ -7,15 +7,15 @@
 //! `ErrorReport`, so the line is where a refusal was decided, not this file); a report made
 //! outside any SQL function (a commit callback, the background workers) names the library.
 
+use crate::backend::BackendLocal;
 use crate::names;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 use std::cell::Cell;
 
-thread_local! {
-    /// The SQL function this backend is running, if any (a backend runs one thread).
-    static CALLING: Cell<Option<&'static str>> = const { Cell::new(None) };
-}
+/// The SQL function this backend is running, if any (a process static, not `thread_local!`,
+/// which costs a call per access in a loaded library: `backend`).
+static CALLING: BackendLocal<Cell<Option<&'static str>>> = BackendLocal::new(Cell::new(None));
 
 /// Names `function` as the SQL function being called until the guard is dropped (at the
 /// function's return, or as an ERROR unwinds out of it); a nested call (through SPI) restores
@@ -26,13 +26,15 @@ pub struct Calling(Option<&'static str>);
 /// Marks the start of SQL function `function` (its SQL name), for the reports it makes.
 #[inline]
 pub fn calling(function: &'static str) -> Calling {
-    Calling(CALLING.with(|c| c.replace(Some(function))))
+    let outer = CALLING.get();
+    CALLING.set(Some(function));
+    Calling(outer)
 }
 
 impl Drop for Calling {
     #[inline]
     fn drop(&mut self) {
-        CALLING.with(|c| c.set(self.0));
+        CALLING.set(self.0);
     }
 }
 
@@ -46,7 +48,7 @@ pub fn ereport(
     detail: Option<String>,
     hint: Option<String>,
 ) {
-    let function = CALLING.with(Cell::get).unwrap_or("stage_e_slots");
+    let function = CALLING.get().unwrap_or("stage_e_slots");
     let mut e = ErrorReport::new(code, names::message(one_line(message)), function);
     if let Some(detail) = detail {
         e = e.set_detail(names::message(one_line(detail)));
