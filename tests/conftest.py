@@ -36,13 +36,25 @@ if os.environ.get("STAGE_E_PATRONI_TESTS", "1" if _MAJOR == "15" else "0") != "1
 TEST_TIMEOUT = 600
 
 
+# Tests marked `one_major` run for many seconds of wall clock (the adaptive controller settling
+# under load) and test code that is the same on every major (the controller is the core crate's
+# and its cluster part is version-independent): like the driver matrix, they run on 15 only;
+# STAGE_E_ONE_MAJOR_TESTS=1 forces them on (=0 leaves them out).
+_ONE_MAJOR = os.environ.get("STAGE_E_ONE_MAJOR_TESTS", "1" if _MAJOR == "15" else "0") == "1"
+
+
 def pytest_configure(config):
     if not config.pluginmanager.hasplugin("timeout"):
         raise pytest.UsageError("pytest-timeout is missing: run scripts/install-deps.sh "
                                 "(or .venv/bin/pip install -r scripts/requirements.txt)")
+    config.addinivalue_line("markers", "one_major: run on PostgreSQL 15 only (see conftest)")
 
 
 def pytest_collection_modifyitems(config, items):
+    if not _ONE_MAJOR:  # not collected on this major, as test_drivers.py is not
+        other = [item for item in items if item.get_closest_marker("one_major")]
+        items[:] = [item for item in items if not item.get_closest_marker("one_major")]
+        config.hook.pytest_deselected(items=other)
     if (config.getoption("timeout") is not None or config.getini("timeout")
             or os.environ.get("PYTEST_TIMEOUT")):
         return  # the run chose its own limit

@@ -334,6 +334,7 @@ def test_the_limit_settles_near_the_services_capacity_and_follows_it_up(ac, adb)
     assert len(lines) <= elapsed / 10 + 1
 
 
+@pytest.mark.one_major
 def test_constant_overload_neither_grows_the_limit_nor_the_baseline(ac, adb):
     """Capacity 6, 12 clients, bounds [1, 16]: once settled, over 20 s of the same overload
     the limit stays <= 1.5k + 1 = 10 and the baseline does not drift up (a loaded cap's
@@ -365,6 +366,7 @@ def test_constant_overload_neither_grows_the_limit_nor_the_baseline(ac, adb):
         assert max(baselines) <= baseline * 1.05, (baseline, baselines)
 
 
+@pytest.mark.one_major
 def test_a_short_spike_does_not_collapse_the_limit(ac, adb):
     """Settled near its capacity (capacity 6, 10 clients, bounds [1, 16]: between 6 and about
     1.35 x 6 + 1), the service turns 3x slower for 2 s: the limit comes down by at most 10% a
@@ -486,6 +488,7 @@ def _zero_hold(conn):
         release(conn, "steer", slot)
 
 
+@pytest.mark.one_major
 def test_another_role_can_not_steer_the_limit(ac, adb):
     """Issue 35: a plain role (EXECUTE on the slot functions only, as PUBLIC has) must not
     steer an adaptive cap's limit. Six legitimate sessions use a cap learned at 12 (bounds
