@@ -11,7 +11,7 @@ use crate::ffi;
 use crate::shmem::{CapRef, Flushed, PolicyChange, Ticket};
 use pgrx::pg_sys;
 use stage_e_core::counters::FlushState;
-use stage_e_core::directory::{NameHash, DEFAULT_CAP};
+use stage_e_core::directory::{NameHash, DEFAULT_CAP, MAX_NAME};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -46,6 +46,13 @@ static TRACKED: BackendLocal<RefCell<Vec<Held>>> = BackendLocal::new(RefCell::ne
 static CAPS: BackendLocal<RefCell<Option<HashMap<String, CapRef, NameHash>>>> =
     BackendLocal::new(RefCell::new(None));
 static DEFAULT: BackendLocal<Cell<Option<CapRef>>> = BackendLocal::new(Cell::new(None));
+/// The named cap this backend used last, also in `CAPS`: a pair, or a loop on one tenant,
+/// names the same cap call after call, and comparing the name is cheaper than hashing it.
+static LAST: BackendLocal<RefCell<Last>> = BackendLocal::new(RefCell::new(Last {
+    name: [0; MAX_NAME],
+    len: 0,
+    cap: None,
+}));
 /// The queue this backend waits in, if it is waiting (for the exit hook).
 static WAITING: BackendLocal<Cell<Option<(CapRef, Ticket)>>> = BackendLocal::new(Cell::new(None));
 static RECOVERY_DONE: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
@@ -253,12 +260,46 @@ pub fn nap_ms(ms: i64) {
 
 // -- caps it knows by name -------------------------------------------------------------------
 
+/// A name and its cap, inline (a name is at most `MAX_NAME` bytes), so remembering it never
+/// allocates.
+struct Last {
+    name: [u8; MAX_NAME],
+    len: u8,
+    cap: Option<CapRef>,
+}
+
+impl Last {
+    #[inline]
+    fn is(&self, name: &str) -> bool {
+        self.cap.is_some() && &self.name[..self.len as usize] == name.as_bytes()
+    }
+
+    fn remember(&mut self, name: &str, cap: Option<CapRef>) {
+        // A longer name is not one (`directory::check_name`): not remembered.
+        if let (Some(dst), Some(_)) = (self.name.get_mut(..name.len()), cap) {
+            dst.copy_from_slice(name.as_bytes());
+            self.len = name.len() as u8;
+            self.cap = cap;
+        } else {
+            self.cap = None;
+        }
+    }
+}
+
 /// The cap this backend last knew as `name`, if any.
+#[inline]
 pub fn cached_cap(name: &str) -> Option<CapRef> {
     if name == DEFAULT_CAP {
         return DEFAULT.get();
     }
-    CAPS.with_borrow(|m| m.as_ref().and_then(|m| m.get(name).copied()))
+    if let Some(cap) = LAST.with_borrow(|l| l.is(name).then_some(l.cap).flatten()) {
+        return Some(cap);
+    }
+    let cap = CAPS.with_borrow(|m| m.as_ref().and_then(|m| m.get(name).copied()));
+    if cap.is_some() {
+        LAST.with_borrow_mut(|l| l.remember(name, cap));
+    }
+    cap
 }
 
 /// Remembers (or, with None, forgets) the cap named `name`.
@@ -266,6 +307,11 @@ pub fn cache_cap(name: &str, cap: Option<CapRef>) {
     if name == DEFAULT_CAP {
         return DEFAULT.set(cap);
     }
+    LAST.with_borrow_mut(|l| {
+        if cap.is_some() || l.is(name) {
+            l.remember(name, cap);
+        }
+    });
     CAPS.with_borrow_mut(|m| {
         let m = m.get_or_insert_with(HashMap::default);
         match cap {
@@ -352,6 +398,15 @@ pub fn tracked_where(gone: impl Fn(&Held) -> bool) -> Vec<Held> {
 
 pub fn tracks_any() -> bool {
     TRACKED.with_borrow(|t| !t.is_empty())
+}
+
+/// Whether a transaction's end has nothing of this backend's to settle: no slot tracked, no
+/// flush, no policy change. Never panics (it runs outside pgrx's guard): a state borrowed at
+/// the moment counts as something to settle.
+pub fn nothing_to_settle() -> bool {
+    TRACKED.try_with_borrow(Vec::is_empty) == Some(true)
+        && FLUSH.try_with_borrow(Option::is_none) == Some(true)
+        && POLICIES.try_with_borrow(Vec::is_empty) == Some(true)
 }
 
 // -- the flush its transaction makes ---------------------------------------------------------

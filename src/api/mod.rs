@@ -16,6 +16,7 @@ use crate::names;
 use crate::sql;
 use pgrx::callconv::{Arg, ArgAbi};
 use pgrx::prelude::*;
+use pgrx::varlena;
 use stage_e_core::wait::{self, Wait};
 use std::borrow::Cow;
 
@@ -52,8 +53,24 @@ fn refuse_name(bytes: &[u8]) -> ! {
 // the default `unbox_nullable_arg` does).
 unsafe impl<'fcx> ArgAbi<'fcx> for CapArg<'fcx> {
     unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
-        // SAFETY: per the trait's contract, a non-NULL `text` argument.
-        let bytes: &'fcx [u8] = unsafe { arg.unbox_unchecked() };
+        // SAFETY: per the trait's contract, a non-NULL `text` argument: its datum is a pointer
+        // to a varlena that lives as long as the call (`'fcx`).
+        let bytes: &'fcx [u8] = unsafe {
+            let datum = arg.unbox_arg_using_from_datum::<pg_sys::Datum>();
+            let datum = datum.unwrap_or_else(|| unreachable!("a NULL cap is not unboxed"));
+            let p = datum.cast_mut_ptr::<pg_sys::varlena>();
+            // Inline and uncompressed (a name always is, unless it came from a toasted
+            // column): its bytes as they are, which is all `pg_detoast_datum_packed` would
+            // return, without its guarded call (a setjmp) on every call.
+            if varlena::varatt_is_4b_u(p)
+                || (varlena::varatt_is_1b(p) && !varlena::varatt_is_1b_e(p))
+            {
+                varlena::varlena_to_byte_slice(p)
+            } else {
+                <&[u8]>::from_datum(datum, false)
+                    .unwrap_or_else(|| unreachable!("a NULL cap is not unboxed"))
+            }
+        };
         CapArg(names::name_in(bytes).map_err(|_| bytes))
     }
 }
