@@ -24,6 +24,12 @@ impl<T> BackendLocal<RefCell<T>> {
         f(&self.0.borrow())
     }
 
+    /// `f` of the value, or None while it is borrowed mutably (for a caller that must not
+    /// panic: one outside pgrx's guard).
+    pub fn try_with_borrow<R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
+        self.0.try_borrow().ok().map(|t| f(&t))
+    }
+
     pub fn with_borrow_mut<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
         f(&mut self.0.borrow_mut())
     }

@@ -115,8 +115,22 @@ unsafe extern "C-unwind" fn on_backend_exit(_code: i32, _arg: pg_sys::Datum) {
     }
 }
 
-#[pgrx::pg_guard]
+/// Transaction end. Most transactions of a backend that used the extension leave nothing to
+/// settle (a throttled try, a read), and the guard's setjmp and unwind catch cost more than
+/// the look: so the look comes first, outside the guard (it cannot fail or panic).
 unsafe extern "C-unwind" fn on_xact_end(
+    event: pg_sys::XactEvent::Type,
+    arg: *mut std::ffi::c_void,
+) {
+    if session::nothing_to_settle() && DROPPED_IN.get().is_none() {
+        return;
+    }
+    // SAFETY: the callback PostgreSQL called, with its arguments.
+    unsafe { on_xact_end_guarded(event, arg) }
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn on_xact_end_guarded(
     event: pg_sys::XactEvent::Type,
     _arg: *mut std::ffi::c_void,
 ) {
