@@ -45,9 +45,17 @@ enum Server {
     Other(i32),
 }
 
-#[inline]
+#[inline(always)]
 fn server() -> Server {
-    let mut e = ENCODING.load(Relaxed);
+    // UTF8 inline (a name's every call asks); the rest out of line.
+    match ENCODING.load(Relaxed) {
+        UTF8 => Server::Utf8,
+        e => server_other(e),
+    }
+}
+
+#[inline(never)]
+fn server_other(mut e: i32) -> Server {
     if e == UNKNOWN {
         // SAFETY: reads the database encoding (a static) and MyDatabaseId.
         let (enc, connected) = unsafe {
@@ -81,10 +89,22 @@ fn server_encoding_name() -> &'static str {
 // -- in ------------------------------------------------------------------------------------------
 
 /// A name the server passed in, as UTF-8.
-#[inline]
+#[inline(always)]
 pub fn name_in(bytes: &[u8]) -> Result<Cow<'_, str>, SlotError> {
     match server() {
         // SAFETY: the server checked the text on input (pgrx's `&str` makes the same use of it).
+        Server::Utf8 => Ok(Cow::Borrowed(unsafe {
+            std::str::from_utf8_unchecked(bytes)
+        })),
+        other => name_in_other(other, bytes),
+    }
+}
+
+/// [`name_in`] in a database whose encoding is not UTF8.
+#[inline(never)]
+fn name_in_other(server: Server, bytes: &[u8]) -> Result<Cow<'_, str>, SlotError> {
+    match server {
+        // SAFETY: as in `name_in`.
         Server::Utf8 => Ok(Cow::Borrowed(unsafe {
             std::str::from_utf8_unchecked(bytes)
         })),
