@@ -38,6 +38,8 @@ PROTOCOL = "prepared"
 BIG_N = 16384
 CAPS = 1000
 RESULTS = HERE / "results"
+# The hand-off against PostgreSQL's blocking lock at equal contention (issue 36's restated mark).
+HANDOFF_MARK = 0.9
 
 
 def pgbench(cluster: Cluster | PgBouncer, script: str, clients: int, **variables) -> float:
@@ -560,14 +562,15 @@ def targets(r: dict) -> list[dict]:
     # The floor of any waiting design is PostgreSQL's own hand-off, at equal contention: one
     # queue (a cap of one slot, one key) and four (four caps of one slot, four keys, 8 clients
     # each). The lock manager grants the lock to its waiter inside the release; a waiter of
-    # ours must take the lock itself once woken.
+    # ours must take the lock itself once woken (one more lock-manager call and the slot's
+    # claim, after its wake-up): issue 36 restated the mark as 0.9x of PostgreSQL's, not 1.0x.
     for name, ours, pg in (
             ("hand-off, 32 clients, n=1 vs a blocking lock on 1 key",
              "wait n=1", "PostgreSQL blocking lock, 1 key"),
             ("hand-off, 32 clients, 4 caps of n=1 vs 4 keys, spread evenly",
              "wait, 4 caps of n=1, clients spread evenly",
              "PostgreSQL blocking lock, 4 keys, clients spread evenly")):
-        rows.append(T(name, q(h[ours], h[pg]), ">=", 1.0))
+        rows.append(T(name, q(h[ours], h[pg]), ">=", HANDOFF_MARK))
     rows.append(T("fairness: 32 waiters on n=4, longest wait vs mean wait",
                   [w["fair_max_ms"] / w["fair_mean_ms"]], "<=", 3))
     rows.append(T("CPU of 64 idle waiters (share of one core)", [w["idle_cpu"] * 100], "<", 2,
