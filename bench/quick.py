@@ -24,7 +24,9 @@ Two kinds of verdict:
   the commit);
 - **targets** (issue 36's, as instruction ratios: a ratio of instructions per call is the
   inverse of a ratio of calls per second when a call's cost is its instructions): printed
-  PASS or FAIL beside the wall-clock figures of `make bench`, not a failure of this command.
+  PASS or FAIL beside the wall-clock figures of `make bench`, not a failure of this command;
+  their table goes to `bench/results/quick-pg<major>.md` too, which bench/readme.py copies
+  into the README.
 
 Needs valgrind (Debian's `valgrind`) and a release build (`make bench-quick` installs one).
 """
@@ -319,6 +321,12 @@ def main(argv: list[str]) -> int:
     print("\n".join(lines))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"quick-pg{major(r['server'])}.json").write_text(json.dumps(r, indent=2) + "\n")
+    # The targets' table, which bench/readme.py copies into the README.
+    targets = lines[lines.index("") + 1:]
+    (RESULTS / f"quick-pg{major(r['server'])}.md").write_text(
+        f"stage_e_slots {r['version']} on PostgreSQL {r['server']}, commit {commit}: issue 36's "
+        "targets as ratios of instructions per call (`make bench-quick`, callgrind).\n\n"
+        + "\n".join(targets) + "\n")
     if update:
         path.write_text(json.dumps(r, indent=2) + "\n")
         print(f"\nWrote the baseline {path}")
