@@ -61,6 +61,31 @@ def test_every_refusal_names_the_sql_function_called(connect):
     assert warnings == [("WARNING", "stage_e_release")]
 
 
+@pytest.mark.parametrize("storage", ["main", "external"])
+def test_a_cap_name_read_from_a_stored_value_is_read_whole(connect, storage):
+    """A cap argument that is not an inline, uncompressed value (a column's compressed
+    value, or one stored out of line) is read through PostgreSQL's detoast, not as the
+    bytes of its header: a 6,000-byte name is refused as too long, naming its length and
+    the function, and a short name read from the same column is the same cap as a
+    literal."""
+    c, observer = connect(), connect("observer")
+    c.execute(f"""CREATE TEMP TABLE names (name text);
+                  ALTER TABLE names ALTER name SET STORAGE {storage}""")
+    c.execute("INSERT INTO names VALUES (repeat('ab', 3000)), ('stored')")
+    # The long value is compressed inline (main) or kept out of line (external).
+    kind = "compressed" if storage == "main" else "external"
+    stored = one(c, "SELECT pg_column_size(name) < 6000 FROM names WHERE length(name) > 63")
+    assert stored is (kind == "compressed"), kind
+    before = stats(observer)
+    with pytest.raises(psycopg.DataError) as err:
+        c.execute("SELECT stage_e_try_slot(name, 8) FROM names WHERE length(name) > 63")
+    assert "6000" in err.value.diag.message_primary + (err.value.diag.message_detail or "")
+    assert_names_the_function(err, "stage_e_try_slot", kind)
+    assert stats(observer) == before
+    assert one(c, "SELECT stage_e_try_slot(name, 8) FROM names WHERE name = 'stored'") == 0
+    assert one(c, "SELECT stage_e_holding('stored', 0)") is True
+
+
 def test_bad_input_does_not_throttle_or_foreign_count(connect):
     c = connect()
     for call, _ in BAD_CALLS:

@@ -52,27 +52,42 @@ fn refuse_name(bytes: &[u8]) -> ! {
 // unboxes; a NULL argument never reaches `unbox_arg_unchecked` (`Option<CapArg>` checks it, and
 // the default `unbox_nullable_arg` does).
 unsafe impl<'fcx> ArgAbi<'fcx> for CapArg<'fcx> {
+    /// The hot path (a name inline and uncompressed, a UTF8 database) is a few instructions
+    /// with no stack frame to speak of; everything else is out of line, in [`cap_arg_slow`].
+    #[inline]
     unsafe fn unbox_arg_unchecked(arg: Arg<'_, 'fcx>) -> Self {
         // SAFETY: per the trait's contract, a non-NULL `text` argument: its datum is a pointer
-        // to a varlena that lives as long as the call (`'fcx`).
-        let bytes: &'fcx [u8] = unsafe {
+        // to a varlena that lives as long as the call (`'fcx`). Inline and uncompressed (a
+        // name always is, unless it came from a toasted column), its bytes are all that
+        // `pg_detoast_datum_packed` would return, without its guarded call (a setjmp).
+        unsafe {
             let datum = arg.unbox_arg_using_from_datum::<pg_sys::Datum>();
             let datum = datum.unwrap_or_else(|| unreachable!("a NULL cap is not unboxed"));
             let p = datum.cast_mut_ptr::<pg_sys::varlena>();
-            // Inline and uncompressed (a name always is, unless it came from a toasted
-            // column): its bytes as they are, which is all `pg_detoast_datum_packed` would
-            // return, without its guarded call (a setjmp) on every call.
             if varlena::varatt_is_4b_u(p)
                 || (varlena::varatt_is_1b(p) && !varlena::varatt_is_1b_e(p))
             {
-                varlena::varlena_to_byte_slice(p)
-            } else {
-                <&[u8]>::from_datum(datum, false)
-                    .unwrap_or_else(|| unreachable!("a NULL cap is not unboxed"))
+                let bytes = varlena::varlena_to_byte_slice(p);
+                if let Some(name) = names::name_in_utf8(bytes) {
+                    return CapArg(Ok(Cow::Borrowed(name)));
+                }
             }
-        };
-        CapArg(names::name_in(bytes).map_err(|_| bytes))
+            cap_arg_slow(datum)
+        }
     }
+}
+
+/// A cap argument that is compressed or out of line, or in a database that is not UTF8.
+///
+/// # Safety
+/// `datum` is a non-NULL `text` argument of the call (`'fcx`).
+#[cold]
+#[inline(never)]
+unsafe fn cap_arg_slow<'fcx>(datum: pg_sys::Datum) -> CapArg<'fcx> {
+    // SAFETY: per this function's contract.
+    let bytes: &'fcx [u8] = unsafe { <&[u8]>::from_datum(datum, false) }
+        .unwrap_or_else(|| unreachable!("a NULL cap is not unboxed"));
+    CapArg(names::name_in(bytes).map_err(|_| bytes))
 }
 
 pgrx::impl_sql_translatable!(CapArg<'_>, arg_only = "TEXT");
