@@ -6,6 +6,7 @@ import re
 import time
 from datetime import datetime, timedelta
 
+import pytest
 from pgcluster import wait_for
 from test_adaptive import (Clients, Service, ac, aconnect, adapt, adapt_off, adb,  # noqa: F401
                            limit_of, moves)
@@ -44,6 +45,7 @@ def test_policy_changes_and_moves_of_the_limit_are_logged(ac, aconnect, adb):
         first["reason"]
 
 
+@pytest.mark.one_major
 def test_moves_left_out_of_the_log_are_counted_in_its_next_line(ac, adb):
     """The README: a cap's moves are logged at most one line every 10 s, and the ones left out
     are counted in the next. Slow start from 1 moves the limit every window or so; the line
