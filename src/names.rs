@@ -92,18 +92,22 @@ fn server_encoding_name() -> &'static str {
 /// hot path of [`name_in`], for a caller that keeps every other case out of line.
 #[inline(always)]
 pub fn name_in_utf8(bytes: &[u8]) -> Option<&str> {
-    // SAFETY: the server checked the text on input (pgrx's `&str` makes the same use of it).
-    (ENCODING.load(Relaxed) == UTF8).then(|| unsafe { std::str::from_utf8_unchecked(bytes) })
+    (ENCODING.load(Relaxed) == UTF8).then(|| checked_on_input(bytes))
+}
+
+/// Text of a UTF8 database as `str`, unchecked.
+#[inline(always)]
+fn checked_on_input(bytes: &[u8]) -> &str {
+    // SAFETY: only called in a UTF8 database, whose server checked the text on input (pgrx's
+    // `&str` makes the same use of it).
+    unsafe { std::str::from_utf8_unchecked(bytes) }
 }
 
 /// A name the server passed in, as UTF-8.
 #[inline(always)]
 pub fn name_in(bytes: &[u8]) -> Result<Cow<'_, str>, SlotError> {
     match server() {
-        // SAFETY: the server checked the text on input (pgrx's `&str` makes the same use of it).
-        Server::Utf8 => Ok(Cow::Borrowed(unsafe {
-            std::str::from_utf8_unchecked(bytes)
-        })),
+        Server::Utf8 => Ok(Cow::Borrowed(checked_on_input(bytes))),
         other => name_in_other(other, bytes),
     }
 }
@@ -112,10 +116,7 @@ pub fn name_in(bytes: &[u8]) -> Result<Cow<'_, str>, SlotError> {
 #[inline(never)]
 fn name_in_other(server: Server, bytes: &[u8]) -> Result<Cow<'_, str>, SlotError> {
     match server {
-        // SAFETY: as in `name_in`.
-        Server::Utf8 => Ok(Cow::Borrowed(unsafe {
-            std::str::from_utf8_unchecked(bytes)
-        })),
+        Server::Utf8 => Ok(Cow::Borrowed(checked_on_input(bytes))),
         Server::SqlAscii => std::str::from_utf8(bytes)
             .map(Cow::Borrowed)
             .map_err(|e| not_utf8(bytes, e)),
