@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import psycopg
@@ -693,13 +694,17 @@ def test_a_connection_never_crosses_event_loops(dsn, connect):
 
     async def main():
         async with stage_e_slot(dsn, "loops", n=2) as slot:
-            seen.append((id(connection_for(dsn)), loop_pid(dsn), slot))
+            # Compared while it is in use, through a weak reference: an id() may be the freed
+            # first object's address given again to the second (a false "same object").
+            conn = connection_for(dsn)
+            reused = any(ref() is conn for ref, _, _, _ in seen)
+            seen.append((weakref.ref(conn), reused, loop_pid(dsn), slot))
 
     asyncio.run(main())  # no sweep: the next loop's first use must not reuse this connection
     asyncio.run(main())
-    (obj1, pid1, slot1), (obj2, pid2, slot2) = seen
+    (_, _, pid1, slot1), (_, reused, pid2, slot2) = seen
     assert (slot1, slot2) == (0, 0)
-    assert obj1 != obj2 and pid1 != pid2
+    assert not reused and pid1 != pid2
     # The ended loop's connection was closed when the next loop made its own.
     wait_for(lambda: one(observer, "SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
                          (pid1,)) == 0, what="the first loop's session to end")
