@@ -18,6 +18,7 @@
 //! - `front`: the front seats of a cap's queue of waiters, and which slots a call may take while
 //!   the cap has waiters;
 //! - `lease`: a lease record's states and fencing-token arithmetic;
+//! - `rate`: rate limits (GCRA) and the table of rate keys;
 //! - `queue`: a cap's queue of waiters: its count, tickets and seats, and who a release wakes;
 //! - `lifecycle`: the durable horizon and token floor, start kinds, holds after a crash;
 //! - `lease_file`: the lease journal, the lease file of a clean shutdown, the files' stamp;
@@ -45,6 +46,7 @@ pub mod lifecycle;
 pub mod load;
 pub mod occupancy;
 pub mod queue;
+pub mod rate;
 pub mod share;
 pub mod state;
 mod sync;
