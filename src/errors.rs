@@ -92,12 +92,17 @@ pub fn describe(e: &SlotError) -> Described {
                 "wait" => "wait is how long to wait for a slot: '0' does not wait.".into(),
                 "ttl" => "ttl is how long a lease lasts unless renewed.".into(),
                 "token" => "token is the one stage_e_lease returned with the slot.".into(),
+                "key" => "key names the rate limit: calls with one key share one rate.".into(),
+                "count" | "per" => "A rate is count calls per interval per.".into(),
+                "burst" => "burst is how many calls may come at once (1: none).".into(),
+                "cost" => "cost is how many calls of the rate this call counts for.".into(),
                 _ => format!("Slots are numbered 0 to {}.", max_slots - 1),
             },
             Some(match *name {
                 "cap" => "Pass a cap name, such as 'exports' or 'tenant:42'.".into(),
                 "wait" => "Pass an interval such as '0', '500 ms' or '30 s'.".into(),
-                "ttl" => "Pass an interval such as '30 s' or '5 min'.".into(),
+                "ttl" | "per" => "Pass an interval such as '30 s' or '5 min'.".into(),
+                "key" => "Pass a key, such as 'api.example.com' or 'tenant:42'.".into(),
                 _ => "Pass an integer.".into(),
             }),
         ),
@@ -116,6 +121,76 @@ pub fn describe(e: &SlotError) -> Described {
             format!("k must be between 1 and n ({n})."),
             Some("Ask for at most n slots of a cap of n.".into()),
         ),
+        SlotError::BadRate { what, value, burst } => {
+            use stage_e_core::rate::BadRate::*;
+            let (message, detail, hint) = match what {
+                Count => (
+                    format!("count = {value} is out of range"),
+                    "count is how many calls the rate allows per interval: at least 1.".into(),
+                    "Pass a positive integer, such as 10 for 10 calls per '1 s'.",
+                ),
+                Per => (
+                    "per must be positive and at most 1 day".to_string(),
+                    "per is the interval the rate's count is over; months are not a fixed \
+                     length."
+                        .into(),
+                    "Pass an interval such as '1 s', '1 min' or '1 day'.",
+                ),
+                Burst => (
+                    format!("burst = {value} is out of range"),
+                    "burst is how many calls may come at once: at least 1.".into(),
+                    "Pass 1 for no burst, or more to allow calls to bunch up.",
+                ),
+                Cost => (
+                    format!("cost = {value} is out of range"),
+                    "cost is how many calls of the rate this call counts for: at least 1.".into(),
+                    "Pass 1, or the weight of this call.",
+                ),
+                CostAboveBurst => (
+                    format!("cost = {value} is larger than burst = {burst}"),
+                    format!(
+                        "A call can never be allowed with a cost above the burst: at most \
+                         {burst} calls' worth may come at once, however long it waits."
+                    ),
+                    "Raise burst to at least the largest cost, or split the call.",
+                ),
+            };
+            said(
+                ERRCODE_INVALID_PARAMETER_VALUE,
+                message,
+                detail,
+                Some(hint.into()),
+            )
+        }
+        SlotError::NoRateKey { max, share } => match share {
+            Some((share, limit)) => said(
+                ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+                "this database has no room for another rate key".into(),
+                format!(
+                    "It holds its share of rate keys: {share}% (stage_e_slots.database_share) \
+                     of stage_e_slots.max_rate_keys ({max}), {limit} keys not idle; the call \
+                     was not counted."
+                ),
+                Some(
+                    "Use fewer distinct keys, or raise stage_e_slots.database_share for this \
+                     database."
+                        .into(),
+                ),
+            ),
+            None => said(
+                ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+                "stage_e_slots has no room for another rate key".into(),
+                format!(
+                    "All {max} rate keys (stage_e_slots.max_rate_keys) are in use and none is \
+                     idle; the call was not counted."
+                ),
+                Some(
+                    "Use fewer distinct keys, or raise stage_e_slots.max_rate_keys in \
+                     postgresql.conf and restart."
+                        .into(),
+                ),
+            ),
+        },
         SlotError::NegativeWait => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             "wait must not be negative".into(),

@@ -24,6 +24,18 @@ pub enum SlotError {
     NegativeWait,
     /// A lease's ttl must be positive.
     BadTtl,
+    /// A rate or a call's cost refused (`stage_e_try_rate`); `value` is the argument's.
+    BadRate {
+        what: stage_e_core::rate::BadRate,
+        value: i64,
+        burst: i32,
+    },
+    /// A new rate key refused: `max` keys (`stage_e_slots.max_rate_keys`) are in use, or the
+    /// database holds its share (`share` percent: `limit` keys).
+    NoRateKey {
+        max: u32,
+        share: Option<(u32, u64)>,
+    },
     /// An adaptive cap's bounds (`stage_e_adapt`).
     BadBounds(stage_e_core::adapt::BoundsError),
     /// Every adaptive policy record is in use (`stage_e_slots.max_adaptive_caps`).

@@ -18,6 +18,8 @@ pub const MAX_SLOT_MEMORY_KB: i32 = 1 << 20;
 pub const DEFAULT_MAX_LEASES: i32 = 4096;
 pub const MAX_MAX_LEASES: i32 = 1 << 20;
 pub const DEFAULT_MAX_ADAPTIVE_CAPS: i32 = 64;
+pub const DEFAULT_MAX_RATE_KEYS: i32 = 16_384;
+pub const MAX_MAX_RATE_KEYS: i32 = 1 << 24;
 pub const MAX_MAX_ADAPTIVE_CAPS: i32 = 1 << 16;
 pub const DEFAULT_FLUSH_INTERVAL_MS: i32 = 10_000;
 pub const MIN_FLUSH_INTERVAL_MS: i32 = 100;
@@ -33,6 +35,7 @@ pub const MAX_FLUSH_GIVE_UP_MS: i32 = 86_400_000;
 
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static MAX_ADAPTIVE_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_ADAPTIVE_CAPS);
+static MAX_RATE_KEYS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_RATE_KEYS);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
 static MAX_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_CAPS);
 static SLOT_MEMORY_KB: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_SLOT_MEMORY_KB);
@@ -113,6 +116,18 @@ pub fn init() {
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(
+        c"stage_e_slots.max_rate_keys",
+        c"How many rate keys (stage_e_try_rate, of all databases) can be limited at once.",
+        c"Each takes 49 bytes of shared memory (two 24-byte records and a lock word per 8). \
+          A key whose arrival time has passed is idle and is reclaimed when room is needed; \
+          full, a new key is refused (SQLSTATE 53400).",
+        &MAX_RATE_KEYS,
+        16,
+        MAX_MAX_RATE_KEYS,
+        GucContext::Postmaster,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
         c"stage_e_slots.flush_interval",
         c"How often counters are added to each database's stage_e_throttle_counter row.",
         c"One row update per database per interval, whatever the throttle rate. A crash loses \
@@ -171,9 +186,9 @@ pub fn init() {
     );
     GucRegistry::define_int_guc(
         c"stage_e_slots.database_share",
-        c"Percent of max_caps, max_leases and slot_memory that one database may hold.",
+        c"Percent of max_caps, max_leases, max_rate_keys and slot_memory that one database may hold.",
         c"Like a database's connection limit: a database at its share is refused new caps, \
-          leases or slot memory (SQLSTATE 53400) while others keep theirs. 100 (the default) \
+          leases, rate keys or slot memory (SQLSTATE 53400) while others keep theirs. 100 (the default) \
           lets one database use it all. Only superusers may change it, also per database with \
           ALTER DATABASE ... SET.",
         &DATABASE_SHARE,
@@ -233,6 +248,10 @@ pub fn max_caps() -> u32 {
 
 pub fn max_leases() -> u32 {
     MAX_LEASES.get() as u32
+}
+
+pub fn max_rate_keys() -> u32 {
+    MAX_RATE_KEYS.get() as u32
 }
 
 pub fn max_adaptive_caps() -> u32 {

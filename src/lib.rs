@@ -16,10 +16,11 @@
 //! 5. `session`: this backend's state and identity (shmem, names, gucs, ffi, backend)
 //! 6. `keys`, `flush`: which advisory locks are a cap's slots; durable counts (session, sql, ...)
 //! 7. `horizons`: loading and advancing the lease horizons (keys, session, shmem, sql, report)
-//! 8. `slots`: acquire, release, leases, waiting, adaptive caps, lifecycle (everything below)
+//! 8. `slots`: acquire, release, leases, waiting, adaptive caps, rates, lifecycle (everything below)
 //! 9. `hooks`: exit and transaction-end callbacks, `DROP EXTENSION` (slots, session, shmem)
 //! 10. `errors`, `worker`: refusals in words (SQLSTATE, hint); the launcher, flushers (all below)
-//! 11. `api`: the SQL surface by part: slots, leases, adapt, held_back, stats, snapshot (all below)
+//! 11. `api`: the SQL surface by part: slots, leases, adapt, rates, held_back, stats, snapshot
+//!     (all below)
 //! 12. `compat`: earlier versions' C symbols (api's row macro, errors, slots)
 
 #[macro_use]

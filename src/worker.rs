@@ -74,6 +74,7 @@ pub extern "C-unwind" fn stage_e_slots_launcher_main(_arg: pg_sys::Datum) {
     let mut failing = Failing::default();
     shmem::launcher_wakeup(true);
     shmem::note_recovered(session::now());
+    shmem::note_rates_recovered();
     if shmem::start_kind().holds() {
         // After a crash or a promotion, every database is loaded now, so that the caps held
         // back are held (and logged) from the start, not at their first use.

@@ -168,6 +168,8 @@ FUNCTION_SAMPLES = {
     "stage_e_slot_waiters_internal()": ("reads", []),
     "stage_e_snapshot()": ("reads", []),
     "stage_e_stats()": ("reads", []),
+    "stage_e_try_rate(text, integer, interval, integer, integer)": (
+        "acts", ["'k'", "1000", "'1 s'", "1000", "1"]),
     "stage_e_try_slot(integer)": ("acts", ["2"]),
     "stage_e_try_slot(text, integer)": ("acts", ["'k'", "2"]),
     "stage_e_try_slot(text, integer, interval)": ("acts", ["'k'", "2", "'10 ms'"]),

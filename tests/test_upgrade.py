@@ -1,5 +1,5 @@
-"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0, 0.6.0, 0.7.0 and 0.8.0, with
-data and holders, against the current library; and the updated schema against a fresh install's."""
+"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0, 0.6.0, 0.7.0, 0.8.0 and 0.9.0,
+with data and holders, against the current library; and the updated schema against a fresh install's."""
 
 import re
 import tomllib
@@ -562,6 +562,37 @@ def test_a_0_8_0_database_is_served_without_adaptive_caps_then_updated_keeps_its
         assert describe(c, "v080") == describe(c, "fresh9")
     finally:
         c.destroy()
+
+
+def test_a_0_9_0_database_is_served_without_rate_limits_then_updated_keeps_its_rows(uc):
+    """The 0.10.0 library serves a 0.9.0 database as 0.9.0 did (no stage_e_try_rate). The
+    update keeps the rows, the holder, the lease and the adaptive policy; then
+    stage_e_try_rate works (a burst of 2, then denied); the schema equals a fresh install's."""
+    uc.create_database("v090", extension=False)
+    uc.sql("CREATE EXTENSION stage_e_slots VERSION '0.9.0'", dbname="v090")
+    with uc.connect("v090", "holder") as holder, uc.connect("v090", "other") as other:
+        assert one(holder, "SELECT stage_e_try_slot('exports', 4)") == 0
+        lease = holder.execute("SELECT * FROM stage_e_lease('jobs', 1, '1 hour')").fetchone()
+        holder.execute("SELECT stage_e_adapt('exports', 1, 3)")
+        holder.execute("SELECT stage_e_flush()")
+        with pytest.raises(errors.UndefinedFunction):
+            other.execute("SELECT * FROM stage_e_try_rate('api', 1, '1 min', 2)")
+        other.rollback()
+
+        other.execute("ALTER EXTENSION stage_e_slots UPDATE TO '0.10.0'")
+        assert one(other, "SELECT extversion FROM pg_extension "
+                          "WHERE extname = 'stage_e_slots'") == "0.10.0"
+        assert other.execute(
+            "SELECT cap, acquired, adapt_min, adapt_max FROM stage_e_throttle_counter "
+            "ORDER BY cap").fetchall() == [("exports", 1, 1, 3), ("jobs", 1, None, None)]
+        assert one(holder, "SELECT stage_e_holding('exports', 0)") is True
+        assert other.execute("SELECT cap, slot, token FROM stage_e_slot_holders "
+                             "ORDER BY cap").fetchall() == [
+            ("exports", 0, None), ("jobs", 0, lease[1])]
+        rate = "SELECT allowed FROM stage_e_try_rate('api', 1, '1 min', 2)"
+        assert [one(other, rate) for _ in range(3)] == [True, True, False]
+    uc.create_database("fresh10")
+    assert describe(uc, "v090") == describe(uc, "fresh10")
 
 
 def update_chain():

@@ -1,5 +1,5 @@
 //! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and tokens),
-//! `adapt` (adaptive caps), `held_back` (caps held back after a crash), `stats` (counters, holders,
+//! `adapt` (adaptive caps), `rates` (rate limits), `held_back` (caps held back after a crash), `stats` (counters, holders,
 //! waiters, load, flush and reset), `snapshot` (the jsonb document). Each function translates
 //! arguments, calls `slots` or `flush`, and maps errors (`errors`). Slot functions are VOLATILE and
 //! PARALLEL UNSAFE (advisory locks are refused in parallel workers). Arguments are `Option` so a
@@ -113,6 +113,7 @@ macro_rules! counter_table_fn {
 mod adapt;
 mod held_back;
 mod leases;
+mod rates;
 pub(crate) mod slots;
 mod snapshot;
 mod stats;

@@ -115,6 +115,33 @@ pub(super) fn give_lease_share(db: u32) {
     }
 }
 
+/// Counts a rate key of database `db` taken, if the database holds fewer than `limit` (None:
+/// no limit, at start); false when it holds its share.
+pub(super) fn take_rate_share(db: u32, limit: Option<u64>) -> bool {
+    let Some(r) = record(db, true) else {
+        return limit.is_none();
+    };
+    r.rate_keys
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            limit.is_none_or(|l| (n as u64) < l).then_some(n + 1)
+        })
+        .is_ok()
+}
+
+/// A rate key of database `db` was reclaimed.
+pub(super) fn give_rate_share(db: u32) {
+    if let Some(r) = record(db, false) {
+        let _ = r
+            .rate_keys
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+}
+
+/// Rate keys database `db` holds in the table (idle ones not yet reclaimed too).
+pub(super) fn rate_keys_of(db: u32) -> u32 {
+    record(db, false).map_or(0, |r| r.rate_keys.load(Ordering::Acquire))
+}
+
 /// Whether database `db` has been loaded: Some(has the durable table) once it is.
 pub fn loaded(db: u32) -> Option<bool> {
     match record(db, false)?.state.load(Ordering::Acquire) {
@@ -217,6 +244,7 @@ pub(super) fn forget_database(db: u32) {
     if let Some(r) = record(db, false) {
         r.state.store(UNLOADED, Ordering::Relaxed);
         r.leases.store(0, Ordering::Relaxed);
+        r.rate_keys.store(0, Ordering::Relaxed);
         r.oid.store(0, Ordering::Release);
     }
 }

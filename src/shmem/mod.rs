@@ -11,6 +11,7 @@
 //! - waiting: `dequeue`, `waiters_of`, [`WaiterInfo`];
 //! - leases: `caps_with_leases_due`, [`LeaseCheck`], [`LeaseInfo`], [`LeaseRefused`];
 //! - load averages: `sample_load`, `load_of`, [`Load`];
+//! - rate keys: `try_rate`, `note_rates_recovered`, [`NoRoom`];
 //! - adaptive policies: `apply_policy`, `restore_policy`, `clear_policies`, `policy_room`,
 //!   `policy_count`, `policy_databases`, `learned_limit`, `cap_limits`, `adapt_tick`,
 //!   `limits_to_write`, `limits_written`, `databases_with_limits_to_write`, [`PolicyChange`],
@@ -42,7 +43,8 @@
 //! 12. `committed`: the committed lease horizon and token floor, holds, the journal
 //! 13. `policies`: adaptive caps' policies and what they learned, the enforced limit
 //! 14. `load`: load averages, sampled by the launcher
-//! 15. `persist`: the startup hook; pending counts and leases across a clean restart
+//! 15. `rates`: rate keys (`stage_e_core::rate`'s table, placed in the segment), their room
+//! 16. `persist`: the startup hook; pending counts, leases and rate keys across a clean restart
 
 mod caps;
 mod committed;
@@ -56,6 +58,7 @@ mod load;
 mod persist;
 mod pin;
 mod policies;
+mod rates;
 mod records;
 mod segment;
 mod waitq;
@@ -85,6 +88,7 @@ pub use policies::{
     learned_limit, limits_to_write, limits_written, note_expiry, policy_count, policy_databases,
     policy_room, reserve, restore_policy, unreserve, PolicyChange, PolicyView, ToWrite,
 };
+pub use rates::{note_recovered as note_rates_recovered, try_rate, NoRoom};
 pub use records::MAX_DATABASES;
 pub use segment::attached;
 pub use stage_e_core::counters::Counter;

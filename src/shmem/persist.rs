@@ -1,4 +1,4 @@
-//! Pending counts and leases across a clean restart, and the startup hook that restores them:
+//! Pending counts, leases and rate keys across a clean restart, and the startup hook that restores them:
 //! written at postmaster shutdown, read back at start (the hook first attaches the segment,
 //! `segment`), as pg_stat_statements keeps its dump in `pg_stat/`. The formats are
 //! `stage_e_core::counters::{encode, decode}` and `stage_e_core::lease_file::LeaseFile`.
@@ -32,12 +32,14 @@
 use super::caps::{create_at_start, restore_at_start};
 use super::databases;
 use super::pin::pin;
+use super::rates;
 use super::segment::{self, segment, Segment};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
 use stage_e_core::lease_file::{self, Checkpoint, LeaseFile, SavedHold, SavedLease};
 use stage_e_core::lifecycle::StartKind;
+use stage_e_core::rate::RateFile;
 use std::sync::Mutex;
 
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
@@ -77,6 +79,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
         let control = control();
         *SEGMENT_MADE_AT.lock().unwrap_or_else(|e| e.into_inner()) = control;
         let kind = restore_leases(seg, control);
+        restore_rates(seg, control, kind);
         restore_pending(seg);
         databases::set_start_kind(kind);
         save_at_shutdown();
@@ -86,6 +89,7 @@ unsafe extern "C-unwind" fn shmem_startup() {
 /// In the data directory (the postmaster's working directory).
 const PENDING_FILE: &str = "pg_stat/stage_e_slots.pending";
 const LEASE_FILE: &str = "pg_stat/stage_e_slots.leases";
+const RATE_FILE: &str = "pg_stat/stage_e_slots.rates";
 
 /// The server's major version, stamped into the lease file.
 fn major() -> u32 {
@@ -247,6 +251,91 @@ pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKi
     StartKind::Clean
 }
 
+/// At start: the rate keys of the last clean shutdown, exactly (their arrival times, carried
+/// onto this boot's clock: `RateFile::carried`), when the file was written at the shutdown
+/// checkpoint the control file names (kept in place, as the lease file). After a crash, an immediate shutdown, on a standby, or with a file not to be trusted,
+/// every key starts as if its whole burst had just been spent (`rates::start`): no full burst
+/// for every key at once. A clean start with no file (a new cluster, the first start of a
+/// library with rate limits) starts every key full: there was no rate to keep.
+fn restore_rates(seg: &Segment, control: Option<Control>, kind: StartKind) {
+    let now = rates::now();
+    let text = std::fs::read(RATE_FILE)
+        .ok()
+        .map(|b| String::from_utf8_lossy(&b).into_owned());
+    // Independent of the leases: the control file alone says whether this start follows the
+    // clean shutdown that wrote the file.
+    let shut_down_at = control
+        .filter(|c| c.shut_down() && kind != StartKind::Standby)
+        .map(|c| c.at);
+    let file = text
+        .as_deref()
+        .and_then(|t| lease_file::unstamp(t, major()).ok())
+        .and_then(RateFile::decode)
+        .filter(|f| shut_down_at.is_some_and(|at| (at.system, at.lsn) == f.checkpoint));
+    let Some(file) = file else {
+        let spent = match (kind, shut_down_at, &text) {
+            (StartKind::Standby, _, _) => rates::PROMOTION_PENDING,
+            (_, Some(_), None) => 0, // a new cluster, or the first start of this library
+            _ => now,
+        };
+        rates::start(seg, None, spent);
+        if text.is_some() && shut_down_at.is_some() {
+            pgrx::log!(
+                "stage_e_slots: ignoring {RATE_FILE}: it was not written at the shutdown this \
+                 server starts from; every rate key starts as if its burst had just been spent"
+            );
+        }
+        return;
+    };
+    let boot = boot_id();
+    let wall = pg_now();
+    rates::start(seg, Some(file.secret), file.carried_spent(&boot, now));
+    let keys = file.carried(&boot, now, wall);
+    let lost = rates::restore(seg, &keys);
+    if lost > 0 {
+        // Fail closed: a key left out would otherwise come back with a full burst.
+        rates::mark_spent(seg, now);
+        pgrx::log!(
+            "stage_e_slots: could not restore {lost} of the {} rate keys of {RATE_FILE}: \
+             stage_e_slots.max_rate_keys is smaller than when they were saved; every key not \
+             restored starts as if its burst had just been spent",
+            keys.len()
+        );
+    }
+}
+
+/// This boot's id (empty when it cannot be read: then no file is of the same boot).
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn pg_now() -> i64 {
+    // SAFETY: reads the clock.
+    unsafe { pg_sys::GetCurrentTimestamp() }
+}
+
+/// At a clean shutdown: every rate key not idle, with the clocks and the checkpoint.
+fn save_rates(seg: &Segment, at: Checkpoint) {
+    let (secret, spent, keys) = rates::saved(seg);
+    let file = RateFile {
+        checkpoint: (at.system, at.lsn),
+        boot: boot_id(),
+        clock: rates::now(),
+        wall_us: pg_now(),
+        secret,
+        spent,
+        keys,
+    };
+    if write_file(RATE_FILE, &lease_file::stamp(major(), &file.encode())) && !file.keys.is_empty() {
+        pgrx::log!(
+            "stage_e_slots: saved {} rate key(s) to {RATE_FILE}",
+            file.keys.len()
+        );
+    }
+}
+
 /// Registers [`save_at_exit`] to run at postmaster exit.
 pub(super) fn save_at_shutdown() {
     // SAFETY: called by the postmaster from the startup hook; the callback runs at its exit.
@@ -273,6 +362,11 @@ unsafe extern "C-unwind" fn save_at_exit(_code: i32, _arg: pg_sys::Datum) {
     let holds_known = !kind.holds() || databases::all_loaded();
     if now.shut_down() && (!never_up || restored) && holds_known {
         save_leases(seg, now.at);
+    }
+    // Rate keys need no hold to be known: what shared memory has is what a start restored,
+    // or what calls charged since.
+    if now.shut_down() {
+        save_rates(seg, now.at);
     }
 }
 

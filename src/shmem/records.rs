@@ -182,6 +182,22 @@ pub(super) struct DbRecord {
     pub(super) commits: AtomicU32,
     /// Live leases of this database's caps (its share of `stage_e_slots.max_leases`).
     pub(super) leases: AtomicU32,
+    /// Rate keys of this database in the table (its share of `stage_e_slots.max_rate_keys`).
+    pub(super) rate_keys: AtomicU32,
+}
+
+/// The header's rate fields.
+///
+/// Protocol: `rates`.
+#[repr(C)]
+pub(super) struct RateHeader {
+    /// The digests' SipHash key: random when the segment is made, or the saved one.
+    pub(super) secret: [AtomicU64; 2],
+    /// After a crash or a promotion: when (ns of the boot-time clock) every key's burst counts
+    /// as spent; 0 after a clean start.
+    pub(super) spent_since: AtomicU64,
+    /// Rate keys in the table, of all databases.
+    pub(super) keys: AtomicU32,
 }
 
 /// The header's lifecycle fields.

@@ -14,7 +14,9 @@
 //! path takes none.
 
 use super::entry::{CapEntry, SlotRecord};
-use super::records::{HazardSlot, Launcher, Lifecycle, PolicyRecord, WaiterRecord, POLICY_SIZE};
+use super::records::{
+    HazardSlot, Launcher, Lifecycle, PolicyRecord, RateHeader, WaiterRecord, POLICY_SIZE,
+};
 use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena::{self, Buddy};
@@ -23,6 +25,7 @@ use stage_e_core::layout::{self, Counts, Layout, Sizes};
 use stage_e_core::lease::{token_base, LeaseRecord};
 use stage_e_core::lifecycle::TokenCounter;
 use stage_e_core::occupancy;
+use stage_e_core::rate::{self, RateRecord};
 use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
 const SEGMENT_NAME: &std::ffi::CStr = c"stage_e_slots";
@@ -40,6 +43,7 @@ pub(super) struct Header {
     pub(super) lifecycle: Lifecycle,
     /// The last fencing token handed out, of any cap (`leases`).
     pub(super) tokens: TokenCounter,
+    pub(super) rates: RateHeader,
 }
 
 const _: () = assert!(size_of::<Header>().is_multiple_of(layout::CACHE_LINE));
@@ -50,6 +54,7 @@ const SIZES: Sizes = Sizes {
     waiter: size_of::<WaiterRecord>(),
     lease: size_of::<LeaseRecord>(),
     policy: POLICY_SIZE,
+    rate: size_of::<RateRecord>(),
     hazard: size_of::<HazardSlot>(),
 };
 
@@ -65,6 +70,7 @@ fn counts_from_settings() -> (Counts, u32) {
         waiters: backends,
         leases: gucs::max_leases(),
         policies: gucs::max_adaptive_caps(),
+        rate_records: rate::records_for(gucs::max_rate_keys()) as u32,
         hazards: backends,
         index_len: directory::index_len(gucs::max_caps()) as u32,
         pages: arena::pages_for(gucs::slot_memory_bytes(), top_order),
@@ -85,6 +91,8 @@ pub(super) struct Segment {
     pub(super) waiters: &'static [WaiterRecord],
     pub(super) leases: &'static [LeaseRecord],
     pub(super) policies: &'static [PolicyRecord],
+    pub(super) rate_records: &'static [RateRecord],
+    pub(super) rate_locks: &'static [AtomicU32],
     pub(super) hazards: &'static [HazardSlot],
     index: &'static [AtomicU32],
     meta: &'static [AtomicU32],
@@ -191,7 +199,8 @@ impl Segment {
     unsafe fn at(base: *mut u8) -> Segment {
         // SAFETY: per the caller, every part lies inside the segment at the offset the layout
         // gives, which is aligned for its type (the header and hazards to a cache line, the
-        // rest to 8 bytes), and is valid zeroed or as last written (atomics only).
+        // rest to 8 bytes; the rate locks, after 24-byte records, to 4), and is valid zeroed
+        // or as last written (atomics only).
         unsafe {
             let header = &*(base as *const Header);
             let c = header.counts;
@@ -203,6 +212,14 @@ impl Segment {
                 waiters: std::slice::from_raw_parts(part(l.waiters).cast(), c.waiters as usize),
                 leases: std::slice::from_raw_parts(part(l.leases).cast(), c.leases as usize),
                 policies: std::slice::from_raw_parts(part(l.policies).cast(), c.policies as usize),
+                rate_records: std::slice::from_raw_parts(
+                    part(l.rates).cast(),
+                    c.rate_records as usize,
+                ),
+                rate_locks: std::slice::from_raw_parts(
+                    part(l.rate_locks).cast(),
+                    c.rate_records as usize / rate::BUCKET,
+                ),
                 hazards: std::slice::from_raw_parts(part(l.hazards).cast(), c.hazards as usize),
                 index: std::slice::from_raw_parts(part(l.index).cast(), c.index_len as usize),
                 meta: std::slice::from_raw_parts(part(l.meta).cast(), l.meta_words),

@@ -24,6 +24,7 @@ pub mod admission;
 pub mod held;
 mod leases;
 pub mod limits;
+pub mod rates;
 pub mod views;
 pub mod waiting;
 

@@ -9,6 +9,8 @@
 //! waiter × waiters            who waits for which cap, one per backend (`shmem::waitq`)
 //! lease × leases              slots held by a token (`shmem::leases`)
 //! policy × policies           adaptive caps' bounds and what they learned (`shmem::adaptive`)
+//! rate × rate_records         rate keys' arrival times (`rate`, `shmem::rates`)
+//! u32 × rate_records / BUCKET their buckets' claim locks
 //! (to a cache line)
 //! hazard × hazards            one pin slot per backend, each on its own cache line (`shmem::pin`)
 //! u32 × index_len             the (database, name) → entry index (`directory`)
@@ -31,6 +33,8 @@ pub struct Counts {
     pub waiters: u32,
     pub leases: u32,
     pub policies: u32,
+    /// Records of the rate table (`rate::records_for`: a multiple of its bucket).
+    pub rate_records: u32,
     pub hazards: u32,
     pub index_len: u32,
     pub pages: u32,
@@ -44,6 +48,7 @@ pub struct Sizes {
     pub waiter: usize,
     pub lease: usize,
     pub policy: usize,
+    pub rate: usize,
     pub hazard: usize,
 }
 
@@ -54,6 +59,8 @@ pub struct Layout {
     pub waiters: usize,
     pub leases: usize,
     pub policies: usize,
+    pub rates: usize,
+    pub rate_locks: usize,
     pub hazards: usize,
     pub index: usize,
     pub meta: usize,
@@ -69,7 +76,10 @@ impl Layout {
         let waiters = entries + c.caps as usize * s.entry;
         let leases = waiters + c.waiters as usize * s.waiter;
         let policies = leases + c.leases as usize * s.lease;
-        let hazards = (policies + c.policies as usize * s.policy).next_multiple_of(CACHE_LINE);
+        let rates = policies + c.policies as usize * s.policy;
+        let rate_locks = rates + c.rate_records as usize * s.rate;
+        let rate_end = rate_locks + c.rate_records as usize / crate::rate::BUCKET * 4;
+        let hazards = rate_end.next_multiple_of(CACHE_LINE);
         let index = hazards + c.hazards as usize * s.hazard;
         let meta = index + c.index_len as usize * 4;
         let meta_words = arena::meta_words(c.pages);
@@ -81,6 +91,8 @@ impl Layout {
             waiters,
             leases,
             policies,
+            rates,
+            rate_locks,
             hazards,
             index,
             meta,
@@ -111,21 +123,23 @@ mod unit {
         waiter: 48,
         lease: 48,
         policy: 256,
+        rate: 24,
         hazard: 64,
     };
 
     #[test]
     fn parts_follow_each_other_aligned_and_without_overlap() {
-        for (caps, waiters, leases, policies, pages) in [
-            (4096, 100, 4096, 64, 8192),
-            (1, 1, 0, 0, 128),
-            (7, 3, 5, 1, 1),
+        for (caps, waiters, leases, policies, pages, rate_records) in [
+            (4096, 100, 4096, 64, 8192, 32768),
+            (1, 1, 0, 0, 128, 16),
+            (7, 3, 5, 1, 1, 24),
         ] {
             let c = Counts {
                 caps,
                 waiters,
                 leases,
                 policies,
+                rate_records,
                 hazards: waiters,
                 index_len: 2 * caps.next_power_of_two(),
                 pages,
@@ -135,12 +149,16 @@ mod unit {
             assert_eq!(l.waiters - l.entries, caps as usize * SIZES.entry);
             assert_eq!(l.leases - l.waiters, waiters as usize * SIZES.waiter);
             assert_eq!(l.policies, l.leases + leases as usize * SIZES.lease);
-            assert!(l.hazards >= l.policies + policies as usize * SIZES.policy);
+            assert_eq!(l.rates, l.policies + policies as usize * SIZES.policy);
+            assert!(l.rates.is_multiple_of(8), "rate records are 8-aligned");
+            assert_eq!(l.rate_locks, l.rates + rate_records as usize * SIZES.rate);
+            let rate_end = l.rate_locks + rate_records as usize / crate::rate::BUCKET * 4;
+            assert!(l.hazards >= rate_end);
             assert!(
                 l.hazards.is_multiple_of(CACHE_LINE),
                 "hazard slots start on a line"
             );
-            assert!(l.hazards - (l.policies + policies as usize * SIZES.policy) < CACHE_LINE);
+            assert!(l.hazards - rate_end < CACHE_LINE);
             assert_eq!(l.index - l.hazards, c.hazards as usize * SIZES.hazard);
             assert_eq!(l.meta, l.index + c.index_len as usize * 4);
             assert!(l.arena >= l.meta + l.meta_words * 4 && l.arena.is_multiple_of(8));

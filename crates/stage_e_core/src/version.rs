@@ -26,13 +26,15 @@ pub enum SchemaVersion {
     /// Adaptive caps: `stage_e_adapt`, `stage_e_adapt_off`, `stage_e_cap_limits`; the policy and
     /// the learned limit in the counter rows (`adapt_*`).
     V0_9_0,
+    /// Rate limits: `stage_e_try_rate`.
+    V0_10_0,
 }
 
 impl SchemaVersion {
     /// The version of this library's own install script.
-    pub const CURRENT: SchemaVersion = SchemaVersion::V0_9_0;
+    pub const CURRENT: SchemaVersion = SchemaVersion::V0_10_0;
 
-    pub const ALL: [SchemaVersion; 9] = [
+    pub const ALL: [SchemaVersion; 10] = [
         SchemaVersion::V0_1_0,
         SchemaVersion::V0_2_0,
         SchemaVersion::V0_3_0,
@@ -42,6 +44,7 @@ impl SchemaVersion {
         SchemaVersion::V0_7_0,
         SchemaVersion::V0_8_0,
         SchemaVersion::V0_9_0,
+        SchemaVersion::V0_10_0,
     ];
 
     /// `pg_extension.extversion` as a version; None for one this library does not know.
@@ -60,6 +63,7 @@ impl SchemaVersion {
             SchemaVersion::V0_7_0 => "0.7.0",
             SchemaVersion::V0_8_0 => "0.8.0",
             SchemaVersion::V0_9_0 => "0.9.0",
+            SchemaVersion::V0_10_0 => "0.10.0",
         }
     }
 
@@ -97,6 +101,11 @@ impl SchemaVersion {
         self >= SchemaVersion::V0_9_0
     }
 
+    /// Rate limits: `stage_e_try_rate`.
+    pub fn has_rates(self) -> bool {
+        self >= SchemaVersion::V0_10_0
+    }
+
     /// How many counters (of `counters::CounterValues::NAMES`, in order) its table and
     /// functions have.
     pub fn counter_columns(self) -> usize {
@@ -108,7 +117,8 @@ impl SchemaVersion {
             | SchemaVersion::V0_6_0
             | SchemaVersion::V0_7_0
             | SchemaVersion::V0_8_0
-            | SchemaVersion::V0_9_0 => crate::counters::COUNT,
+            | SchemaVersion::V0_9_0
+            | SchemaVersion::V0_10_0 => crate::counters::COUNT,
         }
     }
 }
@@ -141,17 +151,19 @@ mod unit {
                 crate::counters::COUNT,
                 crate::counters::COUNT,
                 crate::counters::COUNT,
+                crate::counters::COUNT,
                 crate::counters::COUNT
             ]
         );
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.has_named_caps()),
-            [false, true, true, true, true, true, true, true, true]
+            [false, true, true, true, true, true, true, true, true, true]
         );
         assert!(!V0_3_0.has_leases() && V0_4_0.has_leases());
         assert!(!V0_5_0.has_lease_horizon() && V0_6_0.has_lease_horizon());
         assert!(!V0_6_0.has_key_records() && V0_7_0.has_key_records());
         assert!(!V0_7_0.has_histograms() && V0_8_0.has_histograms());
         assert!(!V0_8_0.has_adaptive() && V0_9_0.has_adaptive());
+        assert!(!V0_9_0.has_rates() && V0_10_0.has_rates());
     }
 }

@@ -83,7 +83,7 @@ from ._common import DEFAULT_CAP, LeaseLost
 from ._leases import Lease, stage_e_lease
 from ._slots import SlotConnection, connection_for, stage_e_slot
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"
 
 __all__ = [
     "DEFAULT_CAP",

@@ -1,0 +1,51 @@
+//! Rate limits: `stage_e_try_rate`, a rate on its own, no slot (GCRA, `stage_e_core::rate`).
+
+use super::CapArg;
+use crate::errors::raise;
+use crate::slots;
+use crate::sql;
+use pgrx::prelude::*;
+
+/// Whether a call on rate `key` (`count` calls per `per`, bursts of `burst`) of weight `cost`
+/// is allowed now, and if so counted, in one step; with how many calls of cost 1 remain, how
+/// long until this call would be allowed (NULL when it is) and until the key is back to a full
+/// burst. A denied call counts for nothing.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)]
+fn stage_e_try_rate(
+    key: Option<CapArg<'_>>,
+    count: Option<i32>,
+    per: Option<Interval>,
+    burst: default!(Option<i32>, "1"),
+    cost: default!(Option<i32>, "1"),
+) -> TableIterator<
+    'static,
+    (
+        name!(allowed, bool),
+        name!(remaining, i32),
+        name!(retry_after, Option<Interval>),
+        name!(reset_after, Interval),
+    ),
+> {
+    let _call = crate::report::calling("stage_e_try_rate");
+    let d = slots::rates::try_rate(key.as_deref(), count, per.map(per_ns), burst, cost)
+        .unwrap_or_else(|e| raise(e));
+    let interval = |ns: u64| sql::interval_us(ns.div_ceil(1_000));
+    TableIterator::once((
+        d.allowed,
+        d.remaining as i32,
+        d.retry_after.map(interval),
+        interval(d.reset_after),
+    ))
+}
+
+/// An interval of fixed length in ns (None: months, or too long to count in ns).
+fn per_ns(i: Interval) -> Option<i64> {
+    if i.months() != 0 {
+        return None;
+    }
+    (i.days() as i64)
+        .checked_mul(86_400_000_000)?
+        .checked_add(i.micros())?
+        .checked_mul(1_000)
+}
