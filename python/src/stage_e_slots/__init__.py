@@ -72,6 +72,16 @@ included; see its docstring::
             if not lease.renew():    # False: the lease is gone, stop (the exit reports it)
                 break
 
+Rate limits (the extension at 0.10.0): ``try_rate`` asks whether a call may go now at a rate,
+and counts it when it may, in one step; a ``RateDecision`` is true when allowed::
+
+    decision = try_rate(DSN, "api.example.com", 10, 1, burst=5)    # 10 a second, bursts of 5
+    if not decision:
+        time.sleep(decision.retry_after.total_seconds() if decision.retry_after else 1)
+
+The database unreachable, or refusing the call (no room for another key), is not allowed
+(logged, both times None): fail closed. Bad arguments raise.
+
 The same for asyncio (one connection per event loop) is ``stage_e_slots.aio``; a decorator,
 ``stage_e_slots.capped``.
 """
@@ -79,9 +89,9 @@ The same for asyncio (one connection per event loop) is ``stage_e_slots.aio``; a
 from __future__ import annotations
 
 from ._capped import Throttled, capped
-from ._common import DEFAULT_CAP, LeaseLost
+from ._common import DEFAULT_CAP, LeaseLost, RateDecision
 from ._leases import Lease, stage_e_lease
-from ._slots import SlotConnection, connection_for, stage_e_slot
+from ._slots import SlotConnection, connection_for, stage_e_slot, try_rate
 
 __version__ = "0.10.0"
 
@@ -89,6 +99,7 @@ __all__ = [
     "DEFAULT_CAP",
     "Lease",
     "LeaseLost",
+    "RateDecision",
     "SlotConnection",
     "Throttled",
     "__version__",
@@ -96,4 +107,5 @@ __all__ = [
     "connection_for",
     "stage_e_lease",
     "stage_e_slot",
+    "try_rate",
 ]

@@ -19,10 +19,16 @@ import psycopg
 from ._aio_line import APP_SUFFIX, AsyncConn, Row, _connections, _fetch, _Line, _shielded
 from ._common import (
     _HOLDERS,
+    _TRY_RATE,
     DEFAULT_CAP,
+    Per,
+    RateDecision,
     Wait,
+    _as_per,
     _as_timedelta,
     _check_cap,
+    _check_key,
+    _rate_failed,
     _slot_query,
     _Unreachable,
     log,
@@ -193,6 +199,24 @@ class AsyncSlotConnection:
             return False
         return bool(row is not None and row[0])
 
+    async def try_rate(
+            self, key: str, count: int, per: Per, *, burst: int = 1, cost: int = 1,
+    ) -> RateDecision:
+        """Whether a call on rate `key` (`count` calls per `per`, seconds or a timedelta, in
+        bursts of up to `burst`) counting for `cost` calls may go now; counted when it may, in
+        the same step (``stage_e_try_rate``, the extension at 0.10.0). Not allowed when the
+        database cannot be reached or refuses the call (logged: fail closed); bad arguments
+        raise."""
+        _check_key(key)
+        params = (key, count, _as_per(per), burst, cost)
+        try:
+            row = await self._line.one(_TRY_RATE, params, connect=True)
+        except (_Unreachable, psycopg.Error) as e:
+            return _rate_failed(key, e)
+        if row is None:
+            raise RuntimeError("stage_e_try_rate returned no row")
+        return RateDecision(bool(row[0]), int(row[1]), row[2], row[3])
+
     @asynccontextmanager
     async def slot(
             self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0, k: int = 1,
@@ -223,6 +247,15 @@ def connection_for(dsn: str) -> AsyncSlotConnection:
     if found is None:
         found = conns[dsn] = AsyncSlotConnection(dsn)
     return found
+
+
+async def try_rate(
+        dsn: str, key: str, count: int, per: Per, *, burst: int = 1, cost: int = 1,
+) -> RateDecision:
+    """``try_rate(dsn, "api.example.com", 10, 1, burst=5)``: whether a call may go now at 10
+    a second in bursts of 5, counted when it may, on the dedicated connection of
+    ``connection_for(dsn)``. See ``AsyncSlotConnection.try_rate``."""
+    return await connection_for(dsn).try_rate(key, count, per, burst=burst, cost=cost)
 
 
 @asynccontextmanager

@@ -5,6 +5,7 @@ Private; the public names are re-exported by ``stage_e_slots`` and ``stage_e_slo
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Union
 
@@ -14,6 +15,7 @@ DEFAULT_CAP = "default"
 
 Wait = Union[float, int, timedelta]
 Ttl = Union[float, int, timedelta]
+Per = Union[float, int, timedelta]
 
 # A session's slots of a cap (leases excluded: they are not the session's).
 _HOLDERS = ("SELECT slot FROM stage_e_slot_holders WHERE pid = pg_backend_pid() AND cap = %s "
@@ -21,6 +23,8 @@ _HOLDERS = ("SELECT slot FROM stage_e_slot_holders WHERE pid = pg_backend_pid() 
 _LEASE = "SELECT slot, token FROM stage_e_lease(%s, %s, %s, %s)"
 _RENEW = "SELECT stage_e_renew(%s, %s, %s, %s)"
 _RELEASE_LEASE = "SELECT stage_e_release_lease(%s, %s, %s)"
+_TRY_RATE = ("SELECT allowed, remaining, retry_after, reset_after "
+             "FROM stage_e_try_rate(%s, %s, %s, %s, %s)")
 # The lease's row of the holders view, live now (this never extends it).
 _LEASE_LIVE = ("SELECT expires_at > clock_timestamp() FROM stage_e_slot_holders "
                "WHERE cap = %s AND slot = %s AND token = %s")
@@ -60,6 +64,56 @@ def _as_ttl(ttl: Ttl) -> timedelta:
     if delay <= timedelta(0):
         raise ValueError(f"ttl must be positive: {ttl!r}")
     return delay
+
+
+def _as_per(per: Per) -> timedelta:
+    delay = per if isinstance(per, timedelta) else timedelta(seconds=per)
+    if delay <= timedelta(0):
+        raise ValueError(f"per must be positive: {per!r}")
+    return delay
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a rate key (str), not {type(key).__name__}: {key!r}")
+
+
+@dataclass(frozen=True)
+class RateDecision:
+    """What ``try_rate`` answers: ``allowed`` (the call may go, and was counted), how many calls
+    of cost 1 remain right after it, how long until a denied call would be allowed
+    (``retry_after``, None when allowed) and until the key has its full burst again
+    (``reset_after``). True when allowed, so ``if try_rate(...):`` reads as it should. When the
+    database cannot be reached or refuses the call (fail closed), ``allowed`` is False and both
+    times are None: nobody knows when."""
+
+    allowed: bool
+    remaining: int
+    retry_after: timedelta | None
+    reset_after: timedelta | None
+
+    def __bool__(self) -> bool:
+        return self.allowed
+
+
+# Not allowed, nothing known: the answer when the database cannot say.
+_NOT_ALLOWED = RateDecision(False, 0, None, None)
+
+
+def _rate_failed(key: str, e: Exception) -> RateDecision:
+    """What a rate statement's error makes of the call: not allowed, logged, when the database
+    is unreachable or refused it with an operational error (no room for another key, a
+    statement timeout); re-raised otherwise (bad arguments, the extension missing or older than
+    0.10.0: a bug, not load)."""
+    if isinstance(e, _Unreachable):
+        log.warning("stage_e_try_rate: treating as not allowed (key %r), cannot reach the "
+                    "database: %s", key, e)
+    elif _is_a(e, "OperationalError"):
+        log.error("stage_e_try_rate: treating as not allowed (key %r), the server refused the "
+                  "call: %s", key, e)
+    else:
+        raise e
+    return _NOT_ALLOWED
 
 
 class LeaseLost(Exception):

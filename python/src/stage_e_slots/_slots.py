@@ -15,10 +15,16 @@ import psycopg
 
 from ._common import (
     _HOLDERS,
+    _TRY_RATE,
     DEFAULT_CAP,
+    Per,
+    RateDecision,
     Wait,
+    _as_per,
     _as_timedelta,
     _check_cap,
+    _check_key,
+    _rate_failed,
     _slot_query,
     _Unreachable,
     log,
@@ -190,6 +196,24 @@ class SlotConnection:
             return False
         return bool(row is not None and row[0])
 
+    def try_rate(
+            self, key: str, count: int, per: Per, *, burst: int = 1, cost: int = 1,
+    ) -> RateDecision:
+        """Whether a call on rate `key` (`count` calls per `per`, seconds or a timedelta, in
+        bursts of up to `burst`) counting for `cost` calls may go now; counted when it may, in
+        the same step (``stage_e_try_rate``, the extension at 0.10.0). Not allowed when the
+        database cannot be reached or refuses the call (logged: fail closed); bad arguments
+        raise."""
+        _check_key(key)
+        params = (key, count, _as_per(per), burst, cost)
+        try:
+            row = self._line.one(_TRY_RATE, params, connect=True)
+        except (_Unreachable, psycopg.Error) as e:
+            return _rate_failed(key, e)
+        if row is None:
+            raise RuntimeError("stage_e_try_rate returned no row")
+        return RateDecision(bool(row[0]), int(row[1]), row[2], row[3])
+
     @contextmanager
     def slot(
             self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0, k: int = 1,
@@ -220,6 +244,15 @@ def connection_for(dsn: str) -> SlotConnection:
     if found is None:
         found = conns[dsn] = SlotConnection(dsn)
     return found
+
+
+def try_rate(
+        dsn: str, key: str, count: int, per: Per, *, burst: int = 1, cost: int = 1,
+) -> RateDecision:
+    """``try_rate(dsn, "api.example.com", 10, 1, burst=5)``: whether a call may go now at 10
+    a second in bursts of 5, counted when it may, on the dedicated connection of
+    ``connection_for(dsn)``. See ``SlotConnection.try_rate``."""
+    return connection_for(dsn).try_rate(key, count, per, burst=burst, cost=cost)
 
 
 @contextmanager
