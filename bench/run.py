@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "scripts"))
 import adaptive  # noqa: E402
 import latency_bounds  # noqa: E402
+import rates  # noqa: E402
 import verdicts  # noqa: E402
 from pgbouncer import PgBouncer  # noqa: E402
 from pgcluster import PG_CONFIG, Cluster, bindir  # noqa: E402
@@ -830,6 +831,8 @@ def load_results() -> tuple[dict, dict, dict]:
         if "static" in part:
             part["static"] = {int(k): v for k, v in part["static"].items()}
     bounds = json.loads((RESULTS / "latency_bounds.json").read_text())
+    if (RESULTS / "rates.json").exists():  # measured since 0.10.0 (bench/rates.py)
+        r["rates"] = json.loads((RESULTS / "rates.json").read_text())
     return r, a, bounds
 
 
@@ -839,16 +842,23 @@ def write_results(r: dict, bounds: dict) -> list[dict]:
     r["targets"] = targets(r)
     r["adaptive"]["targets"] = adaptive.targets(r["adaptive"])
     bounds["targets"] = latency_bounds.targets(bounds)
+    rate = r.pop("rates", None)
+    if rate is not None:
+        rate["targets"] = rates.targets(rate)
     # The parts bench/readme.py copies into README.md, each after its marker.
     table = "\n\n".join([part("make bench", report(r)),
                           part("adaptive caps", adaptive.report(r["adaptive"])),
-                          part("latency bounds", latency_bounds.report(bounds))])
+                          part("latency bounds", latency_bounds.report(bounds))]
+                         + ([part("rate limits", rates.report(rate))] if rate else []))
     print("\n" + table)
     (RESULTS / "results.json").write_text(json.dumps(r, indent=2) + "\n")
     (RESULTS / "adaptive.json").write_text(json.dumps(r["adaptive"], indent=2) + "\n")
     (RESULTS / "latency_bounds.json").write_text(json.dumps(bounds, indent=2) + "\n")
+    if rate is not None:
+        (RESULTS / "rates.json").write_text(json.dumps(rate, indent=2) + "\n")
     (RESULTS / "summary.md").write_text(table + "\n")
-    return r["targets"] + r["adaptive"]["targets"] + bounds["targets"]
+    return (r["targets"] + r["adaptive"]["targets"] + bounds["targets"]
+            + (rate["targets"] if rate else []))
 
 
 def commit() -> str:
@@ -914,6 +924,7 @@ def main() -> int:
     # (bench/adaptive.py, bench/latency_bounds.py).
     r["adaptive"] = adaptive.bench_adaptive(PG_CONFIG)
     bounds = latency_bounds.bench_bounds(PG_CONFIG)
+    r["rates"] = rates.bench_rates(PG_CONFIG)
     r["seconds"] = round(time.monotonic() - started)
     r["commit"] = commit()
     bounds["commit"] = r["commit"]

@@ -1,0 +1,227 @@
+"""Rate limits in `make bench` (issue 37), on a cluster of their own; `bench/rates.py` alone runs
+just these (a few minutes) into bench/results/rates.json and rates.md.
+
+- **Accuracy**: 16 clients call `stage_e_try_rate('k', 100, '1 s', 10)` as fast as they can
+  for 20 s; each allowed call writes its server time (`clock_timestamp()`, in the same
+  statement, right after the decision) to an UNLOGGED table. The calls allowed are within
+  [100 t - 1, 100 t + 10] for a run of t seconds, and every 1 s window holds at most 109. The
+  same for 1,000 keys at 10 a second each (bursts of 10): every key within [10 t - 1, 10 t + 10]
+  and at most 19 in any of its 1 s windows.
+- **Speed** (pgbench -M prepared, 8 clients, rounds alternating, ratios within each round):
+  `stage_e_try_rate` against `SELECT abs($1)` (the floor of any call with a parameter), target
+  >= 0.95x; and the two SQL peers of `../shared/docs/landscape-3.md`, on one hot key and on
+  1,000 keys: a PL/pgSQL token bucket (`UPDATE ... RETURNING` on a logged row) and liberapay's
+  leaky bucket (`INSERT ... ON CONFLICT` into an UNLOGGED table), ratios reported (the issue
+  expects >= 5x).
+
+Not here yet (the rest of issue 37): the composed cap (n = 4 and 20 a second) and the pair on
+a rate-limited cap, which need rate policies on caps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import verdicts  # noqa: E402
+from pgcluster import PG_CONFIG, Cluster  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DB = "rates"
+PORT = 5641
+ACCURACY_S = 20
+ROUNDS, SECONDS, CLIENTS = 5, 3, 8
+
+PEERS = """
+CREATE UNLOGGED TABLE rate_log (key text, at timestamptz);
+-- A PL/pgSQL token bucket on a logged row (the usual answer on Stack Overflow and in blogs).
+CREATE TABLE token_buckets (key text PRIMARY KEY, tokens float8 NOT NULL, at timestamptz NOT NULL);
+CREATE FUNCTION take_token(k text, rate float8, burst float8) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE ok boolean; now timestamptz := clock_timestamp(); BEGIN
+  INSERT INTO token_buckets VALUES (k, burst, now) ON CONFLICT DO NOTHING;
+  UPDATE token_buckets
+     SET tokens = least(burst, tokens + rate * extract(epoch FROM now - at)) - 1, at = now
+   WHERE key = k AND least(burst, tokens + rate * extract(epoch FROM now - at)) >= 1
+  RETURNING true INTO ok;
+  RETURN coalesce(ok, false);
+END $$;
+-- liberapay's leaky bucket (liberapay/utils/__init__.py, sql/app-conf-...): one upsert into
+-- an UNLOGGED table, the counter leaked by the time since its last update.
+CREATE UNLOGGED TABLE rate_limiting (key text PRIMARY KEY, counter int NOT NULL,
+                                     ts timestamptz NOT NULL);
+CREATE FUNCTION compute_leak(cap int, period float8, last_leak timestamptz) RETURNS int
+LANGUAGE sql AS $$
+  SELECT trunc(cap * extract(epoch FROM clock_timestamp() - last_leak) / period)::int $$;
+CREATE FUNCTION hit_rate_limit(k text, cap int, period float8) RETURNS boolean
+LANGUAGE sql AS $$
+  INSERT INTO rate_limiting AS r (key, counter, ts) VALUES (k, 1, clock_timestamp())
+  ON CONFLICT (key) DO UPDATE
+     SET counter = r.counter + 1 - least(compute_leak(cap, period, r.ts), r.counter),
+         ts = clock_timestamp()
+  RETURNING counter <= cap $$;
+"""
+
+SCRIPTS = {
+    "abs($1)": "\\set x random(1, 1000)\nSELECT abs(:x);\n",
+    "stage_e_try_rate": ("\\set x random(1, 1000)\n"
+                         "SELECT allowed FROM stage_e_try_rate('k' || :x, 1000000, '1 s', "
+                         "1000000);\n"),
+    # One hot key and 1,000 keys, each at 100 a second with bursts of 10 (mostly refused on the
+    # hot key: the refused path is the common one under load).
+    "stage_e_try_rate, hot key": ("\\set x 1\nSELECT allowed FROM stage_e_try_rate('hot', 100, "
+                                  "'1 s', 10, :x);\n"),
+    "token bucket (PL/pgSQL), hot key": "\\set x 1\nSELECT take_token('hot', 100, 10);\n",
+    "leaky bucket (liberapay), hot key": "\\set x 1\nSELECT hit_rate_limit('hot', 10, 0.1);\n",
+    "stage_e_try_rate, 1,000 keys": ("\\set x random(1, 1000)\nSELECT allowed FROM "
+                                     "stage_e_try_rate('key' || :x, 100, '1 s', 10);\n"),
+    "token bucket (PL/pgSQL), 1,000 keys": ("\\set x random(1, 1000)\n"
+                                            "SELECT take_token('key' || :x, 100, 10);\n"),
+    "leaky bucket (liberapay), 1,000 keys": ("\\set x random(1, 1000)\n"
+                                             "SELECT hit_rate_limit('key' || :x, 10, 0.1);\n"),
+}
+
+
+def pgbench(c: Cluster, script: str, clients: int, seconds: int) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False, dir="/tmp") as f:
+        f.write(script)
+    Path(f.name).chmod(0o644)
+    cmd = [str(c.bin / "pgbench"), "-n", "-M", "prepared", "-h", str(c.base), "-p",
+           str(c.port), "-U", "postgres", "-c", str(clients), "-j", str(min(clients, 2)), "-T",
+           str(seconds), "-f", f.name, DB]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    Path(f.name).unlink()
+    m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
+    if not m:
+        raise RuntimeError(f"pgbench failed: {out.stdout[-500:]} {out.stderr[-500:]}")
+    return float(m.group(1))
+
+
+def windows(stamps: list[float]) -> int:
+    """The most stamps in any window of 1 s."""
+    stamps, most, j = sorted(stamps), 0, 0
+    for i, t in enumerate(stamps):
+        while stamps[j] <= t - 1.0:
+            j += 1
+        most = max(most, i - j + 1)
+    return most
+
+
+def accuracy(c: Cluster, keys: int, count: int, burst: int) -> dict:
+    """16 clients for ACCURACY_S seconds on `keys` keys (picked at random) at `count` a second
+    and bursts of `burst`: per key, how many were allowed and the most in any 1 s window."""
+    with c.connect(DB) as s:
+        s.execute("TRUNCATE rate_log")
+    tag = f"acc{keys}:"
+    pick = "1" if keys == 1 else f"random(1, {keys})"
+    script = (f"\\set x {pick}\nINSERT INTO rate_log SELECT '{tag}' || :x, clock_timestamp() "
+              f"FROM stage_e_try_rate('{tag}' || :x, {count}, '1 s', {burst}) WHERE allowed;\n")
+    started = time.time()
+    calls = pgbench(c, script, 16, ACCURACY_S) * ACCURACY_S
+    elapsed = time.time() - started
+    with c.connect(DB) as s:
+        rows = s.execute("SELECT key, extract(epoch FROM at)::float8 FROM rate_log").fetchall()
+    per_key: dict[str, list[float]] = {}
+    for key, at in rows:
+        per_key.setdefault(key, []).append(at)
+    # The run's own length: from pgbench's start to its end, less connecting (at most it).
+    allowed = [len(v) for v in per_key.values()] + [0] * (keys - len(per_key))
+    return {"keys": keys, "count": count, "burst": burst, "seconds": ACCURACY_S,
+            "elapsed": elapsed, "calls": round(calls), "allowed_total": sum(allowed),
+            "allowed_min": min(allowed), "allowed_max": max(allowed),
+            "window_max": max((windows(v) for v in per_key.values()), default=0)}
+
+
+def bench_rates(pg_config: str = PG_CONFIG) -> dict:
+    started = time.monotonic()
+    c = Cluster("rates_bench", {"fsync": "on", "max_connections": 100}, port=PORT,
+                pg_config=pg_config).init().start()
+    try:
+        c.create_database(DB)
+        with c.connect(DB) as s:
+            s.execute(PEERS)
+            version = s.execute("SELECT extversion FROM pg_extension "
+                                "WHERE extname = 'stage_e_slots'").fetchone()[0]
+            server = s.execute("SHOW server_version").fetchone()[0]
+        print("  rate accuracy: one key, 16 clients, 20 s", flush=True)
+        one = accuracy(c, 1, 100, 10)
+        print("  rate accuracy: 1,000 keys, 16 clients, 20 s", flush=True)
+        many = accuracy(c, 1000, 10, 10)
+        seen: dict[str, list[float]] = {k: [] for k in SCRIPTS}
+        order = list(SCRIPTS)
+        print(f"  rate speed: {len(SCRIPTS)} workloads, {ROUNDS} rounds x {SECONDS} s, "
+              f"{CLIENTS} clients", flush=True)
+        for r in range(ROUNDS):
+            for name in (order if r % 2 == 0 else order[::-1]):
+                seen[name].append(pgbench(c, SCRIPTS[name], CLIENTS, SECONDS))
+    finally:
+        c.destroy()
+    return {"version": version, "server": server, "accuracy": {"one key": one,
+                                                               "1,000 keys": many},
+            "tps_rounds": seen, "tps": {k: statistics.median(v) for k, v in seen.items()},
+            "seconds": round(time.monotonic() - started)}
+
+
+def targets(r: dict) -> list[dict]:
+    """The issue's bounds for a run of ACCURACY_S seconds (pgbench -T: its clients call for
+    that long), each measured once; the speed ratios round by round."""
+    T, rows = verdicts.target, []
+    for label, a in r["accuracy"].items():
+        t, count, burst = a["seconds"], a["count"], a["burst"]
+        rows.append(T(f"rate accuracy, {label}: most allowed for a key", [a["allowed_max"]],
+                      "<=", count * t + burst, ""))
+        rows.append(T(f"rate accuracy, {label}: fewest allowed for a key", [a["allowed_min"]],
+                      ">=", count * t - 1, ""))
+        rows.append(T(f"rate accuracy, {label}: most allowed for a key in a 1 s window",
+                      [a["window_max"]], "<=", count + burst - 1, ""))
+    tps = r["tps_rounds"]
+    rows.append(T("stage_e_try_rate vs SELECT abs($1), 8 clients",
+                  verdicts.ratios(tps["stage_e_try_rate"], tps["abs($1)"]), ">=", 0.95))
+    for where in ("hot key", "1,000 keys"):
+        for peer in ("token bucket (PL/pgSQL)", "leaky bucket (liberapay)"):
+            rows.append(T(f"stage_e_try_rate vs {peer}, {where}, 8 clients",
+                          verdicts.ratios(tps[f"stage_e_try_rate, {where}"],
+                                          tps[f"{peer}, {where}"]), ">=", 5.0))
+    return rows
+
+
+def report(r: dict) -> str:
+    lines = [(f"Rate limits: stage_e_slots {r['version']} on PostgreSQL {r['server']}. "
+              f"Accuracy: 16 clients for {ACCURACY_S} s; speed: pgbench -M prepared, {CLIENTS} "
+              f"clients, {ROUNDS} rounds x {SECONDS} s alternating, ratios within each round."),
+             "",
+             "| accuracy | calls | allowed (all keys) | fewest / most for a key | most in 1 s |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for label, a in r["accuracy"].items():
+        lines.append(f"| {label}, {a['count']}/s, burst {a['burst']}, {a['elapsed']:.1f} s | "
+                     f"{a['calls']:,} | {a['allowed_total']:,} | {a['allowed_min']} / "
+                     f"{a['allowed_max']} | {a['window_max']} |")
+    lines += ["", "| workload | tps (median) |", "| --- | ---: |"]
+    lines += [f"| {k} | {v:,.0f} |" for k, v in r["tps"].items()]
+    rows = r.get("targets") or targets(r)
+    lines += ["", f"Targets ({verdicts.tally(rows)}):", ""] + verdicts.table(rows)
+    return "\n".join(lines)
+
+
+def main() -> int:
+    r = bench_rates(sys.argv[1] if sys.argv[1:] else PG_CONFIG)
+    r["targets"] = targets(r)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "rates.json").write_text(json.dumps(r, indent=2) + "\n")
+    text = report(r)
+    (RESULTS / "rates.md").write_text(text + "\n")
+    print("\n" + text)
+    return 1 if verdicts.failed(r["targets"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
