@@ -249,6 +249,29 @@ pub fn describe(e: &SlotError) -> Described {
                     .into(),
             ),
         ),
+        SlotError::NoRatePolicyRecord { max } => said(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            "stage_e_slots has no room for another rate policy".into(),
+            format!(
+                "All {max} rate policy records (stage_e_slots.max_rate_policies) are in use; \
+                 nothing was changed."
+            ),
+            Some(
+                "Take off the rate policies no longer needed (stage_e_rate_limit_off), use a \
+                 prefix policy ('tenant:*') for many caps, or raise \
+                 stage_e_slots.max_rate_policies in postgresql.conf and restart."
+                    .into(),
+            ),
+        ),
+        SlotError::MoreThanBurst { k, burst } => said(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("k = {k} slots is more than the cap's rate allows at once"),
+            format!(
+                "The cap's rate policy (stage_e_rate_limit) has a burst of {burst}: an \
+                 acquisition of {k} slots charges {k} and could never be allowed."
+            ),
+            Some("Take at most the burst at once, or raise the policy's burst.".into()),
+        ),
         SlotError::TtlTooLong { ttl_us, max_us } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             format!(

@@ -36,6 +36,16 @@ pub enum SlotError {
         max: u32,
         share: Option<(u32, u64)>,
     },
+    /// Every rate policy record is in use (`stage_e_slots.max_rate_policies`).
+    NoRatePolicyRecord {
+        max: u32,
+    },
+    /// A waiting acquisition of more slots than the cap's rate burst: it could never be
+    /// allowed.
+    MoreThanBurst {
+        k: u32,
+        burst: u32,
+    },
     /// An adaptive cap's bounds (`stage_e_adapt`).
     BadBounds(stage_e_core::adapt::BoundsError),
     /// Every adaptive policy record is in use (`stage_e_slots.max_adaptive_caps`).

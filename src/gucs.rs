@@ -20,6 +20,8 @@ pub const MAX_MAX_LEASES: i32 = 1 << 20;
 pub const DEFAULT_MAX_ADAPTIVE_CAPS: i32 = 64;
 pub const DEFAULT_MAX_RATE_KEYS: i32 = 16_384;
 pub const MAX_MAX_RATE_KEYS: i32 = 1 << 24;
+pub const DEFAULT_MAX_RATE_POLICIES: i32 = 64;
+pub const MAX_MAX_RATE_POLICIES: i32 = 1 << 16;
 pub const MAX_MAX_ADAPTIVE_CAPS: i32 = 1 << 16;
 pub const DEFAULT_FLUSH_INTERVAL_MS: i32 = 10_000;
 pub const MIN_FLUSH_INTERVAL_MS: i32 = 100;
@@ -36,6 +38,7 @@ pub const MAX_FLUSH_GIVE_UP_MS: i32 = 86_400_000;
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static MAX_ADAPTIVE_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_ADAPTIVE_CAPS);
 static MAX_RATE_KEYS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_RATE_KEYS);
+static MAX_RATE_POLICIES: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_RATE_POLICIES);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
 static MAX_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_CAPS);
 static SLOT_MEMORY_KB: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_SLOT_MEMORY_KB);
@@ -124,6 +127,18 @@ pub fn init() {
         &MAX_RATE_KEYS,
         16,
         MAX_MAX_RATE_KEYS,
+        GucContext::Postmaster,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"stage_e_slots.max_rate_policies",
+        c"How many rate policies (stage_e_rate_limit, on caps or prefixes, of all databases) \
+          can be set at once.",
+        c"Each takes 128 bytes of shared memory. A prefix policy ('tenant:*') is one, however \
+          many caps it limits.",
+        &MAX_RATE_POLICIES,
+        0,
+        MAX_MAX_RATE_POLICIES,
         GucContext::Postmaster,
         GucFlags::empty(),
     );
@@ -252,6 +267,10 @@ pub fn max_leases() -> u32 {
 
 pub fn max_rate_keys() -> u32 {
     MAX_RATE_KEYS.get() as u32
+}
+
+pub fn max_rate_policies() -> u32 {
+    MAX_RATE_POLICIES.get() as u32
 }
 
 pub fn max_adaptive_caps() -> u32 {

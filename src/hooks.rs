@@ -142,7 +142,8 @@ unsafe extern "C-unwind" fn on_xact_end_guarded(
         }
         XACT_EVENT_PRE_PREPARE if session::changes_policies() => {
             pgrx::error!(
-                "cannot PREPARE a transaction that called stage_e_adapt or stage_e_adapt_off"
+                "cannot PREPARE a transaction that called stage_e_adapt, stage_e_adapt_off, \
+                 stage_e_rate_limit or stage_e_rate_limit_off"
             )
         }
         XACT_EVENT_PRE_COMMIT if session::changes_policies() => {
@@ -155,6 +156,7 @@ unsafe extern "C-unwind" fn on_xact_end_guarded(
             if !policies.is_empty() {
                 crate::slots::limits::apply_committed(policies);
                 shmem::unreserve();
+                shmem::unreserve_rate_policies();
             }
             if DROPPED_IN.take().is_some() {
                 crate::slots::end_database();
@@ -165,6 +167,7 @@ unsafe extern "C-unwind" fn on_xact_end_guarded(
             if session::changes_policies() {
                 session::take_policies(false);
                 shmem::unreserve();
+                shmem::unreserve_rate_policies();
             }
             DROPPED_IN.set(None);
         }

@@ -439,18 +439,28 @@ pub fn settle_flush(commit: bool) {
 
 // -- the policy changes its transaction makes ------------------------------------------------
 
+/// What a policy change asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// `stage_e_adapt` or `stage_e_adapt_off`.
+    Adapt(PolicyChange),
+    /// `stage_e_rate_limit` (count, per in ns, burst) or `stage_e_rate_limit_off` (None); on a
+    /// cap or a pattern (`tenant:*`).
+    Rate(Option<(u32, u64, u32)>),
+}
+
 /// A policy change made in subtransaction `subxact`, for the cap `cap` of this database.
 pub struct PendingPolicy {
     pub subxact: pg_sys::SubTransactionId,
     pub cap: String,
-    pub change: PolicyChange,
+    pub change: Change,
     /// The LOG line to write once it is applied (made while catalogs can be read).
     pub log: String,
 }
 
 /// This transaction (its current subtransaction) changed `cap`'s policy; applied at its commit
 /// (`hooks`, which the caller has registered). A later change of the same cap replaces it.
-pub fn policy_changed(cap: &str, change: PolicyChange, log: String) {
+pub fn policy_changed(cap: &str, change: Change, log: String) {
     // SAFETY: reads the current transaction state; we are inside a transaction.
     let subxact = unsafe { pg_sys::GetCurrentSubTransactionId() };
     POLICIES.with_borrow_mut(|p| {

@@ -286,8 +286,10 @@ pub fn retention_query(ext: &Extension) -> String {
     } else {
         (String::new(), "0::pg_catalog.int8")
     };
-    // An adaptive cap's row keeps its policy: never deleted while it has one.
-    let policy = if ext.version.has_adaptive() {
+    // An adaptive or rate-limited cap's row keeps its policy: never deleted while it has one.
+    let policy = if ext.version.has_rates() {
+        " AND c.adapt_max IS NULL AND c.rate_count IS NULL"
+    } else if ext.version.has_adaptive() {
         " AND c.adapt_max IS NULL"
     } else {
         ""
@@ -452,6 +454,42 @@ pub fn adapt_limits_query(ext: &Extension) -> String {
                            pg_catalog.unnest($3::pg_catalog.float8[])) \
                 AS u (cap, lim, baseline) \
           WHERE t.cap OPERATOR(pg_catalog.=) u.cap AND t.adapt_max IS NOT NULL",
+        ext.schema
+    )
+}
+
+/// `stage_e_rate_limit`'s write, in the caller's transaction: `$1` the cap (or pattern), `$2`
+/// count, `$3` per, `$4` burst.
+pub fn rate_write_query(ext: &Extension) -> String {
+    format!(
+        "INSERT INTO {}.stage_e_throttle_counter AS t (cap, rate_count, rate_per, rate_burst) \
+         VALUES ($1::pg_catalog.text, $2::pg_catalog.int4, $3::pg_catalog.interval, \
+                 $4::pg_catalog.int4) \
+         ON CONFLICT (cap) DO UPDATE SET rate_count = excluded.rate_count, \
+                rate_per = excluded.rate_per, rate_burst = excluded.rate_burst",
+        ext.schema
+    )
+}
+
+/// `stage_e_rate_limit_off`'s write: the row keeps no rate policy; `$1` the cap (or pattern).
+pub fn rate_off_query(ext: &Extension) -> String {
+    format!(
+        "UPDATE {}.stage_e_throttle_counter \
+            SET rate_count = NULL, rate_per = NULL, rate_burst = NULL \
+          WHERE cap OPERATOR(pg_catalog.=) $1::pg_catalog.text",
+        ext.schema
+    )
+}
+
+/// The rate policies to restore at a load: `(cap, count, per in µs, burst)`.
+pub fn rate_rows_query(ext: &Extension) -> String {
+    format!(
+        "SELECT t.cap, t.rate_count, \
+                (pg_catalog.date_part('epoch', t.rate_per) \
+                   OPERATOR(pg_catalog.*) 1000000.0::pg_catalog.float8)::pg_catalog.int8, \
+                t.rate_burst \
+           FROM {}.stage_e_throttle_counter AS t \
+          WHERE t.rate_count IS NOT NULL",
         ext.schema
     )
 }

@@ -3,6 +3,7 @@ with data and holders, against the current library; and the updated schema again
 
 import re
 import tomllib
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -567,7 +568,8 @@ def test_a_0_8_0_database_is_served_without_adaptive_caps_then_updated_keeps_its
 def test_a_0_9_0_database_is_served_without_rate_limits_then_updated_keeps_its_rows(uc):
     """The 0.10.0 library serves a 0.9.0 database as 0.9.0 did (no stage_e_try_rate). The
     update keeps the rows, the holder, the lease and the adaptive policy; then
-    stage_e_try_rate works (a burst of 2, then denied); the schema equals a fresh install's."""
+    stage_e_try_rate works (a burst of 2, then denied), and a rate policy on a cap with a row
+    is kept in it and binds; the schema equals a fresh install's."""
     uc.create_database("v090", extension=False)
     uc.sql("CREATE EXTENSION stage_e_slots VERSION '0.9.0'", dbname="v090")
     with uc.connect("v090", "holder") as holder, uc.connect("v090", "other") as other:
@@ -591,6 +593,12 @@ def test_a_0_9_0_database_is_served_without_rate_limits_then_updated_keeps_its_r
             ("exports", 0, None), ("jobs", 0, lease[1])]
         rate = "SELECT allowed FROM stage_e_try_rate('api', 1, '1 min', 2)"
         assert [one(other, rate) for _ in range(3)] == [True, True, False]
+        # A rate policy on a cap with a row: kept in it, and it binds.
+        other.execute("SELECT stage_e_rate_limit('jobs', 1, '1 min')")
+        assert other.execute("SELECT rate_count, rate_per, rate_burst FROM "
+                             "stage_e_throttle_counter WHERE cap = 'jobs'").fetchone() == (
+            1, timedelta(minutes=1), 1)
+        assert [one(other, "SELECT stage_e_try_slot('jobs', 4)") for _ in range(2)] == [1, None]
     uc.create_database("fresh10")
     assert describe(uc, "v090") == describe(uc, "fresh10")
 

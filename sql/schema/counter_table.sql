@@ -2,7 +2,7 @@
 -- and added to once per flush interval (one statement per database, whatever the rate).
 -- The wait and hold counters (0.3.0) come after flush_id, where the update from 0.2.0 adds them,
 -- and expired (0.4.0) after them, lock_key (0.7.0), the histograms (0.8.0), then an adaptive
--- cap's policy and learned limit (0.9.0) last.
+-- cap's policy and learned limit (0.9.0), then a rate policy (0.10.0) last.
 -- Every statement of the extension names this table with its schema (see src/sql.rs).
 CREATE TABLE stage_e_throttle_counter (
     cap              text PRIMARY KEY
@@ -28,7 +28,15 @@ CREATE TABLE stage_e_throttle_counter (
     adapt_limit      integer,
     adapt_baseline   interval,
     CONSTRAINT stage_e_throttle_counter_adapt_bounds
-      CHECK (adapt_min OPERATOR(pg_catalog.>=) 1 AND adapt_max OPERATOR(pg_catalog.>=) adapt_min)
+      CHECK (adapt_min OPERATOR(pg_catalog.>=) 1 AND adapt_max OPERATOR(pg_catalog.>=) adapt_min),
+    rate_count       integer,
+    rate_per         interval,
+    rate_burst       integer,
+    CONSTRAINT stage_e_throttle_counter_rate
+      CHECK ((rate_count IS NULL) = (rate_per IS NULL) AND (rate_count IS NULL) = (rate_burst IS NULL)
+             AND rate_count OPERATOR(pg_catalog.>=) 1 AND rate_burst OPERATOR(pg_catalog.>=) 1
+             AND rate_per OPERATOR(pg_catalog.>) '0'::pg_catalog.interval
+             AND rate_per OPERATOR(pg_catalog.<=) '1 day'::pg_catalog.interval)
 );
 -- lock_key (0.7.0): the first int4 of the cap's advisory locks, written by the flush and read
 -- when the cap is next made, so that a name whose key collides with another's keeps the key it
@@ -55,6 +63,14 @@ COMMENT ON COLUMN stage_e_throttle_counter.adapt_limit IS
   'The learned limit, as the background flusher last wrote it; a restart resumes from it.';
 COMMENT ON COLUMN stage_e_throttle_counter.adapt_baseline IS
   'The baseline hold time the limit was learned against, as last written.';
+-- Rate policies (0.10.0): what stage_e_rate_limit wrote (NULL: none). A row whose cap ends in
+-- '*' ('tenant:*') is a policy for every cap starting with what precedes it, and has no counts.
+COMMENT ON COLUMN stage_e_throttle_counter.rate_count IS
+  'A rate-limited cap''s count calls per rate_per (stage_e_rate_limit); NULL when it has no rate policy.';
+COMMENT ON COLUMN stage_e_throttle_counter.rate_per IS
+  'The interval rate_count is over (at most 1 day).';
+COMMENT ON COLUMN stage_e_throttle_counter.rate_burst IS
+  'How many acquisitions may come at once (1: none).';
 COMMENT ON TABLE stage_e_throttle_counter IS
   'Durable stage_e_slots counters of this database: one row per cap, written by its first flush and added to once per flush interval. Rows of caps no longer used may be deleted.';
 -- No row is inserted here: pg_dump keeps the table's data, and a restore (which runs

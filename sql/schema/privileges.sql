@@ -6,3 +6,6 @@ REVOKE EXECUTE ON FUNCTION stage_e_reset_stats(text) FROM PUBLIC;
 -- table: the same.
 REVOKE EXECUTE ON FUNCTION stage_e_adapt(text, integer, integer, boolean) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION stage_e_adapt_off(text) FROM PUBLIC;
+-- A cap's rate policy binds every role that uses it, and is kept in the counter table: the same.
+REVOKE EXECUTE ON FUNCTION stage_e_rate_limit(text, integer, interval, integer) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION stage_e_rate_limit_off(text) FROM PUBLIC;

@@ -178,6 +178,8 @@ extension_sql_file!(
         stats::stage_e_reset_stats,
         stats::stage_e_reset_stats_cap,
         adapt::stage_e_adapt,
-        adapt::stage_e_adapt_off
+        adapt::stage_e_adapt_off,
+        rates::stage_e_rate_limit,
+        rates::stage_e_rate_limit_off
     ],
 );

@@ -1,7 +1,11 @@
-//! Rate limits: `stage_e_try_rate`, a rate on its own, no slot (GCRA, `stage_e_core::rate`).
+//! Rate limits: `stage_e_try_rate`, a rate on its own, no slot (GCRA, `stage_e_core::rate`);
+//! `stage_e_rate_limit` and `stage_e_rate_limit_off`, a rate on a cap's acquisitions, both
+//! restricted (EXECUTE revoked from PUBLIC, `sql/schema/privileges.sql`): a cap's rate binds
+//! every role that uses it.
 
 use super::CapArg;
 use crate::errors::raise;
+use crate::hooks;
 use crate::slots;
 use crate::sql;
 use pgrx::prelude::*;
@@ -37,6 +41,31 @@ fn stage_e_try_rate(
         d.retry_after.map(interval),
         interval(d.reset_after),
     ))
+}
+
+/// From the commit of the calling transaction, every acquisition of cap `cap` (`'tenant:*'`:
+/// of every cap starting with `tenant:` that has no policy of its own, each at its own rate)
+/// is granted only when a slot is free and `count` per `per` (in bursts of `burst`) allows
+/// it, and charges both or neither.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_rate_limit(
+    cap: Option<CapArg<'_>>,
+    count: Option<i32>,
+    per: Option<Interval>,
+    burst: default!(Option<i32>, "1"),
+) {
+    let _call = crate::report::calling("stage_e_rate_limit");
+    hooks::ensure(); // applies the change at the commit
+    slots::rates::rate_limit(cap.as_deref(), count, per.map(per_ns), burst)
+        .unwrap_or_else(|e| raise(e))
+}
+
+/// From the commit of the calling transaction, cap `cap` (or the pattern) has no rate policy.
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_rate_limit_off(cap: Option<CapArg<'_>>) {
+    let _call = crate::report::calling("stage_e_rate_limit_off");
+    hooks::ensure(); // applies the change at the commit
+    slots::rates::rate_limit_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
 }
 
 /// An interval of fixed length in ns (None: months, or too long to count in ns).

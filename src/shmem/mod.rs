@@ -11,7 +11,9 @@
 //! - waiting: `dequeue`, `waiters_of`, [`WaiterInfo`];
 //! - leases: `caps_with_leases_due`, [`LeaseCheck`], [`LeaseInfo`], [`LeaseRefused`];
 //! - load averages: `sample_load`, `load_of`, [`Load`];
-//! - rate keys: `try_rate`, `note_rates_recovered`, [`NoRoom`];
+//! - rate keys: `try_rate`, `peek_rate`, `note_rates_recovered`, [`NoRoom`]; rate policies:
+//!   `rate_policy`, `rate_policy_room`, `reserve_rate_policies`, `unreserve_rate_policies`,
+//!   `set_rate_policy`, `clear_rate_policies`;
 //! - adaptive policies: `apply_policy`, `restore_policy`, `clear_policies`, `policy_room`,
 //!   `policy_count`, `policy_databases`, `learned_limit`, `cap_limits`, `adapt_tick`,
 //!   `limits_to_write`, `limits_written`, `databases_with_limits_to_write`, [`PolicyChange`],
@@ -88,7 +90,11 @@ pub use policies::{
     learned_limit, limits_to_write, limits_written, note_expiry, policy_count, policy_databases,
     policy_room, reserve, restore_policy, unreserve, PolicyChange, PolicyView, ToWrite,
 };
-pub use rates::{note_recovered as note_rates_recovered, try_rate, NoRoom};
+pub use rates::{
+    clear_rate_policies, note_recovered as note_rates_recovered, peek_rate, rate_policy,
+    rate_policy_room, reserve_rate_policies, set_rate_policy, try_rate, unreserve_rate_policies,
+    NoRoom,
+};
 pub use records::MAX_DATABASES;
 pub use segment::attached;
 pub use stage_e_core::counters::Counter;

@@ -186,6 +186,31 @@ pub(super) struct DbRecord {
     pub(super) rate_keys: AtomicU32,
 }
 
+/// A rate policy on a cap, or on every cap whose name starts with a prefix (`rates`).
+///
+/// Protocol: `rates` (written under the adapt lock; read by every acquisition without it, as a
+/// seqlock on `version`).
+#[repr(C)]
+pub(super) struct RatePolicyRecord {
+    /// Odd while being written.
+    pub(super) version: AtomicU64,
+    /// 0 = free.
+    pub(super) db: AtomicU32,
+    /// The pid of a backend whose committing transaction holds it for a policy it sets.
+    pub(super) reserved: AtomicU32,
+    pub(super) name_len: AtomicU32,
+    /// 1: `name` is a prefix (the policy was set on `name*`).
+    pub(super) prefix: AtomicU32,
+    pub(super) name: [AtomicU64; NAME_WORDS],
+    pub(super) count: AtomicU32,
+    pub(super) burst: AtomicU32,
+    pub(super) per_ns: AtomicU64,
+    pub(super) _pad: [u64; 3],
+}
+
+pub(super) const RATE_POLICY_SIZE: usize = 128;
+const _: () = assert!(size_of::<RatePolicyRecord>() == RATE_POLICY_SIZE);
+
 /// The header's rate fields.
 ///
 /// Protocol: `rates`.
@@ -198,6 +223,8 @@ pub(super) struct RateHeader {
     pub(super) spent_since: AtomicU64,
     /// Rate keys in the table, of all databases.
     pub(super) keys: AtomicU32,
+    /// Rate policies in use, of all databases (0: no acquisition looks for one).
+    pub(super) policies: AtomicU32,
 }
 
 /// The header's lifecycle fields.

@@ -10,12 +10,13 @@
 //!
 //! Three LWLocks of our tranche: the *directory* lock (shared to look a cap up on a cache miss,
 //! exclusive to create, grow or reclaim one: `caps`), the *waits* lock (joining and leaving
-//! a cap's queue: `waitq`) and the *adapt* lock (adaptive caps' policies: `policies`). The hot
+//! a cap's queue: `waitq`) and the *adapt* lock (the policies of caps: adaptive ones, `policies`, and rate policies, `rates`). The hot
 //! path takes none.
 
 use super::entry::{CapEntry, SlotRecord};
 use super::records::{
-    HazardSlot, Launcher, Lifecycle, PolicyRecord, RateHeader, WaiterRecord, POLICY_SIZE,
+    HazardSlot, Launcher, Lifecycle, PolicyRecord, RateHeader, RatePolicyRecord, WaiterRecord,
+    POLICY_SIZE, RATE_POLICY_SIZE,
 };
 use crate::gucs;
 use pgrx::pg_sys;
@@ -54,6 +55,7 @@ const SIZES: Sizes = Sizes {
     waiter: size_of::<WaiterRecord>(),
     lease: size_of::<LeaseRecord>(),
     policy: POLICY_SIZE,
+    rate_policy: RATE_POLICY_SIZE,
     rate: size_of::<RateRecord>(),
     hazard: size_of::<HazardSlot>(),
 };
@@ -70,6 +72,7 @@ fn counts_from_settings() -> (Counts, u32) {
         waiters: backends,
         leases: gucs::max_leases(),
         policies: gucs::max_adaptive_caps(),
+        rate_policies: gucs::max_rate_policies(),
         rate_records: rate::records_for(gucs::max_rate_keys()) as u32,
         hazards: backends,
         index_len: directory::index_len(gucs::max_caps()) as u32,
@@ -91,6 +94,7 @@ pub(super) struct Segment {
     pub(super) waiters: &'static [WaiterRecord],
     pub(super) leases: &'static [LeaseRecord],
     pub(super) policies: &'static [PolicyRecord],
+    pub(super) rate_policies: &'static [RatePolicyRecord],
     pub(super) rate_records: &'static [RateRecord],
     pub(super) rate_locks: &'static [AtomicU32],
     pub(super) hazards: &'static [HazardSlot],
@@ -212,6 +216,10 @@ impl Segment {
                 waiters: std::slice::from_raw_parts(part(l.waiters).cast(), c.waiters as usize),
                 leases: std::slice::from_raw_parts(part(l.leases).cast(), c.leases as usize),
                 policies: std::slice::from_raw_parts(part(l.policies).cast(), c.policies as usize),
+                rate_policies: std::slice::from_raw_parts(
+                    part(l.rate_policies).cast(),
+                    c.rate_policies as usize,
+                ),
                 rate_records: std::slice::from_raw_parts(
                     part(l.rates).cast(),
                     c.rate_records as usize,

@@ -85,7 +85,8 @@ fn check_ttl(ttl_us: Option<i64>) -> Result<i64, SlotError> {
 }
 
 /// Records a lease of `slot` (claimed, and just probed free of raw locks) with `token`, if the
-/// committed horizon covers it and the database has room in its share.
+/// committed horizon covers it, the database has room in its share and the cap's rate (if it
+/// has one) allows it: false when the rate refused.
 #[inline(never)]
 pub(super) fn grant_lease(
     cap: &Cap,
@@ -93,16 +94,24 @@ pub(super) fn grant_lease(
     slot: u32,
     token: u64,
     ttl_us: i64,
-) -> Result<(), SlotError> {
+    gate: Option<&super::rates::Gate>,
+) -> Result<bool, SlotError> {
     locks::unlock(key, slot);
     let now = session::now();
     let expires_at = now.saturating_add(ttl_us);
     let _granting = cap.begin_grant();
     admission::check_room(cap, expires_at, token)?;
+    // The rate once the lease's room is known (a lease that must wait for room first is
+    // charged when it comes back), before its record: refused, the slot is not granted.
+    if let Some(g) = gate {
+        if !g.charge(1)? {
+            return Ok(false);
+        }
+    }
     let share = gucs::database_share();
     let limit = share::limit(gucs::max_leases() as u64, share);
     match cap.start_lease(slot, token, now, expires_at, session::user_id(), limit) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(true),
         Err(shmem::LeaseRefused::NoRecord) => Err(SlotError::NoLeaseRecord {
             max_leases: gucs::max_leases(),
         }),

@@ -63,7 +63,11 @@ pub fn adapt(
         bounds.max,
         if enforce { "enforced" } else { "monitor mode" },
     );
-    session::policy_changed(name, PolicyChange::Set { bounds, enforce }, log);
+    session::policy_changed(
+        name,
+        session::Change::Adapt(PolicyChange::Set { bounds, enforce }),
+        log,
+    );
     Ok(())
 }
 
@@ -84,7 +88,7 @@ pub fn adapt_off(cap: Option<&str>) -> Result<(), SlotError> {
         quoted(name),
         quoted(&sql::current_database()),
     );
-    session::policy_changed(name, PolicyChange::Off, log);
+    session::policy_changed(name, session::Change::Adapt(PolicyChange::Off), log);
     Ok(())
 }
 
@@ -94,11 +98,15 @@ pub fn adapt_off(cap: Option<&str>) -> Result<(), SlotError> {
 pub fn reserve_committing(changes: &[session::PendingPolicy]) {
     let mut set: Vec<&str> = Vec::new();
     for c in changes {
+        let session::Change::Adapt(change) = c.change else {
+            continue;
+        };
         set.retain(|&cap| cap != c.cap);
-        if matches!(c.change, PolicyChange::Set { .. }) {
+        if matches!(change, PolicyChange::Set { .. }) {
             set.push(&c.cap);
         }
     }
+    super::rates::reserve_committing(changes);
     if set.is_empty() {
         return;
     }
@@ -131,7 +139,14 @@ pub fn apply_committed(changes: Vec<session::PendingPolicy>) {
     let db = session::database();
     let now = session::now();
     for c in changes {
-        match shmem::apply_policy(db, &c.cap, c.change, now) {
+        let change = match c.change {
+            session::Change::Adapt(change) => change,
+            session::Change::Rate(policy) => {
+                super::rates::apply_committed(db, &c.cap, policy, c.log);
+                continue;
+            }
+        };
+        match shmem::apply_policy(db, &c.cap, change, now) {
             Ok(()) => crate::report::log(c.log),
             Err(e) => {
                 pgrx::warning!(
@@ -205,8 +220,9 @@ pub fn write_limits(ext: &sql::Extension) -> Result<Vec<shmem::ToWrite>, pgrx::s
 }
 
 /// A load of this database (`horizons::load`): the policies its rows keep, with their learned
-/// limits.
+/// limits, and its rate policies.
 pub fn restore(ext: &sql::Extension) -> Result<(), String> {
+    super::rates::restore(ext)?;
     if !ext.version.has_adaptive() {
         return Ok(());
     }
@@ -248,6 +264,7 @@ pub fn restore(ext: &sql::Extension) -> Result<(), String> {
 /// The extension was dropped from this database, or the database itself: its policies end.
 pub fn end_database(db: u32) {
     shmem::clear_policies(db);
+    shmem::clear_rate_policies(db);
 }
 
 /// Whether the launcher has adaptive caps to tick.

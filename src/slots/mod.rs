@@ -262,26 +262,35 @@ fn acquire(
     wait: Wait,
     kind: Kind,
 ) -> Result<Option<Taken>, SlotError> {
-    let Some(Admitted { cap, n, k, wait }) = admit(cap, n, k, wait, kind)? else {
+    let Some(Admitted {
+        cap,
+        n,
+        k,
+        wait,
+        gate,
+    }) = admit(cap, n, k, wait, kind)?
+    else {
         return Ok(None); // throttled, counted
     };
+    let gate = gate.as_ref();
     // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
     // at the slots no waiter can use.
     if cap.waiters() == 0 {
-        if let Some(got) = take(&cap, n, k, 0, session::statement_start(), kind)? {
+        if let Some(got) = take(&cap, n, k, 0, session::statement_start(), kind, gate)? {
             return Ok(Some(record(&cap, k, got)));
         }
     }
-    not_taken(cap, n, k, wait, kind)
+    not_taken(cap, n, k, wait, kind, gate)
 }
 
 /// A call admitted to search: its cap pinned, the n it may search (the adaptive limit
-/// applied), its k, and the wait left once a hold has ended.
+/// applied), its k, the wait left once a hold has ended, and the cap's rate, if it has one.
 struct Admitted {
     cap: Cap,
     n: u32,
     k: u32,
     wait: Wait,
+    gate: Option<rates::Gate>,
 }
 
 /// Admission: None when the call is throttled (counted) before any search.
@@ -314,11 +323,18 @@ fn admit(
             return Ok(None);
         };
         if cap.held_until(at).is_none() {
+            let gate = rates::Gate::of(name);
+            if let Some(g) = &gate {
+                if !rate_admits(&cap, g, k, wait)? {
+                    return Ok(None);
+                }
+            }
             return Ok(Some(Admitted {
                 cap,
                 n: limited,
                 k,
                 wait,
+                gate,
             }));
         }
         // Waited out unpinned (a grow of the cap goes on meanwhile), then admitted afresh.
@@ -330,6 +346,24 @@ fn admit(
         }
         at = session::now();
     }
+}
+
+/// A rate-limited cap (`rates`): more slots than the burst can never be had (class 22); a call
+/// that does not wait and that the rate refuses now is throttled (counted) before any search.
+#[cold]
+#[inline(never)]
+fn rate_admits(cap: &Cap, gate: &rates::Gate, k: u32, wait: Wait) -> Result<bool, SlotError> {
+    if k > gate.burst() {
+        return Err(SlotError::MoreThanBurst {
+            k,
+            burst: gate.burst(),
+        });
+    }
+    if matches!(wait, Wait::No) && !gate.peek(k).allowed {
+        cap.counters().bump(Counter::Throttled, 1);
+        return Ok(false);
+    }
+    Ok(true)
 }
 
 /// An adaptive cap (`shmem::policies`): slots of [0, least(n, limit)) only, and `search` stops
@@ -380,14 +414,26 @@ fn wait_out_hold(cap: shmem::CapRef, wait: Wait) -> Option<Wait> {
 /// No slot at first look (or waiters go first): throttled, or in line. Out of `acquire`'s
 /// frame, which the common case then keeps small.
 #[inline(never)]
-fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<Taken>, SlotError> {
+fn not_taken(
+    cap: Cap,
+    n: u32,
+    k: u32,
+    wait: Wait,
+    kind: Kind,
+    gate: Option<&rates::Gate>,
+) -> Result<Option<Taken>, SlotError> {
     let now = session::statement_start();
-    // With waiters, only the slots no waiter can use, if any of those are free.
+    // With waiters, only the slots no waiter can use, if any of those are free; none on a
+    // rate-limited cap, whose waiters keep their turn at the rate too.
     let waiters = cap.waiters() != 0;
-    let from = if waiters { cap.newcomer(n, k) } else { Some(0) };
+    let from = match (waiters, gate) {
+        (false, _) => Some(0),
+        (true, None) => cap.newcomer(n, k),
+        (true, Some(_)) => None,
+    };
     if let Some(from) = from {
         if waiters {
-            if let Some(got) = take(&cap, n, k, from, now, kind)? {
+            if let Some(got) = take(&cap, n, k, from, now, kind, gate)? {
                 return Ok(Some(record(&cap, k, got)));
             }
         }
@@ -396,7 +442,7 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
         // have expired. Free those and look once more; without either, this costs two loads.
         let expired = expire_due(&cap);
         if held::reconcile_cap(&cap) + expired > 0 {
-            if let Some(got) = take(&cap, n, k, from, now, kind)? {
+            if let Some(got) = take(&cap, n, k, from, now, kind, gate)? {
                 return Ok(Some(record(&cap, k, got)));
             }
         }
@@ -408,7 +454,7 @@ fn not_taken(cap: Cap, n: u32, k: u32, wait: Wait, kind: Kind) -> Result<Option<
     };
     match deadline {
         Some(deadline) if !waits_for_itself(&cap, n, k) => {
-            waiting::wait_in_line(cap, n, k, deadline, kind)
+            waiting::wait_in_line(cap, n, k, deadline, kind, gate)
         }
         _ => {
             cap.counters().bump(Counter::Throttled, 1);
@@ -429,7 +475,9 @@ fn waits_for_itself(cap: &Cap, n: u32, k: u32) -> bool {
 }
 
 /// Takes `k` slots of `[from, n)`, all or none, the lowest free ones; `at` is their
-/// acquisition time. Leases are taken one at a time.
+/// acquisition time. Leases are taken one at a time. On a rate-limited cap (`gate`), the rate
+/// is charged once the slots are taken and before they are handed out; they are given back
+/// when it refuses (both or neither).
 #[inline(always)]
 pub(super) fn take(
     cap: &Cap,
@@ -438,30 +486,54 @@ pub(super) fn take(
     from: u32,
     at: i64,
     kind: Kind,
+    gate: Option<&rates::Gate>,
 ) -> Result<Option<Taken>, SlotError> {
     if k == 1 {
         // The common case, without the bookkeeping below.
-        return Ok(search(cap, from, n, at, kind)?.map(Taken::One));
+        return Ok(search(cap, from, n, at, kind, gate)?.map(Taken::One));
     }
-    take_many(cap, n, k, from, at)
+    take_many(cap, n, k, from, at, gate)
 }
 
 #[inline(never)]
-fn take_many(cap: &Cap, n: u32, k: u32, from: u32, at: i64) -> Result<Option<Taken>, SlotError> {
+fn take_many(
+    cap: &Cap,
+    n: u32,
+    k: u32,
+    from: u32,
+    at: i64,
+    gate: Option<&rates::Gate>,
+) -> Result<Option<Taken>, SlotError> {
     let mut got = Vec::with_capacity(k as usize);
     while got.len() < k as usize {
-        match search(cap, from, n, at, Kind::Session)? {
+        match search(cap, from, n, at, Kind::Session, None)? {
             Some(g) => got.push(g),
             None => break,
         }
     }
     if got.len() == k as usize {
-        return Ok(Some(Taken::Many(got)));
+        match gate.map(|g| g.charge(k)).unwrap_or(Ok(true)) {
+            Ok(true) => return Ok(Some(Taken::Many(got))),
+            Ok(false) => {
+                give_back(cap, got);
+                return Ok(None);
+            }
+            Err(e) => {
+                give_back(cap, got);
+                return Err(e);
+            }
+        }
     }
-    // Not all of them: give back the ones taken, as if never taken (nothing is counted). Nobody
-    // is woken: the free slots covered this call and those ahead of it, so what failed it is a
-    // raw lock the bitmap cannot see, and waking the others would only make them fail the same
-    // way and wake us back, round and round; the next release or recheck serves them.
+    give_back(cap, got);
+    Ok(None)
+}
+
+/// Not all of them, or the rate refused: gives back the slots taken, as if never taken
+/// (nothing is counted). Nobody is woken: the free slots covered this call and those ahead
+/// of it, so what failed it is a raw lock the bitmap cannot see (or the rate, which a release
+/// does not change), and waking the others would only make them fail the same way and wake us
+/// back, round and round; the next release or recheck serves them.
+fn give_back(cap: &Cap, got: Vec<Got>) {
     let key = cap.key();
     for g in got {
         locks::unlock(key, g.slot);
@@ -474,13 +546,19 @@ fn take_many(cap: &Cap, n: u32, k: u32, from: u32, at: i64) -> Result<Option<Tak
             token: g.token,
         });
     }
-    Ok(None)
 }
 
 /// Takes the lowest slot of `[from, n)` that is clear in the bitmap and free in the lock
 /// manager; `at` is recorded as a session slot's acquisition time (a lease's is the clock's
 /// now).
-fn search(cap: &Cap, from: u32, n: u32, at: i64, kind: Kind) -> Result<Option<Got>, SlotError> {
+fn search(
+    cap: &Cap,
+    from: u32,
+    n: u32,
+    at: i64,
+    kind: Kind,
+    gate: Option<&rates::Gate>,
+) -> Result<Option<Got>, SlotError> {
     let key = cap.key();
     let (records, bits) = cap.block();
     let limit = cap.limit();
@@ -495,6 +573,21 @@ fn search(cap: &Cap, from: u32, n: u32, at: i64, kind: Kind) -> Result<Option<Go
         let slot = claim.slot();
         match locks::try_lock(key, slot) {
             Probe::Acquired => {
+                // A session slot is ours and not yet handed out: the rate now, or neither (a
+                // lease is charged once its room under the horizon is known: `grant_lease`).
+                if let (Some(g), Kind::Session) = (gate, kind) {
+                    match g.charge(1) {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            locks::unlock(key, slot);
+                            return Ok(None); // dropping `claim` clears the bit
+                        }
+                        Err(e) => {
+                            locks::unlock(key, slot);
+                            return Err(e);
+                        }
+                    }
+                }
                 let token = cap.next_token();
                 match kind {
                     Kind::Session => {
@@ -509,7 +602,11 @@ fn search(cap: &Cap, from: u32, n: u32, at: i64, kind: Kind) -> Result<Option<Go
                     // A lease is held by its token, not by this session: the lock only showed
                     // that no raw advisory lock holds the slot. The set bit keeps others off it;
                     // on an error, dropping `claim` clears it.
-                    Kind::Lease { ttl_us } => grant_lease(cap, key, slot, token, ttl_us)?,
+                    Kind::Lease { ttl_us } => {
+                        if !grant_lease(cap, key, slot, token, ttl_us, gate)? {
+                            return Ok(None); // the rate refused; dropping `claim` clears the bit
+                        }
+                    }
                 }
                 return Ok(Some(Got {
                     slot: claim.keep(),

@@ -1,5 +1,7 @@
 //! Waiting for slots: the policy (who waits, when a waiter looks, what ends a wait) and this
-//! backend's sleep. The queue itself is `shmem::waitq`.
+//! backend's sleep. The queue itself is `shmem::waitq`. On a rate-limited cap a waiter at the
+//! front whose slots were free but whose rate refused sleeps until the instant the rate allows
+//! it (a timer, `rates::Gate::take_retry_after`), or a release, or its deadline.
 //!
 //! A call that waits joins its cap's queue and sleeps on its own latch, set by a release of its
 //! cap while it is at the front of the queue and may take (`stage_e_core::front`), and wakes
@@ -82,6 +84,7 @@ pub(super) fn wait_in_line(
     k: u32,
     deadline: Option<std::time::Instant>,
     kind: Kind,
+    gate: Option<&super::rates::Gate>,
 ) -> Result<Option<Taken>, SlotError> {
     let started = session::now();
     let counters = cap.counters();
@@ -100,8 +103,9 @@ pub(super) fn wait_in_line(
         reset_latch();
         let cap = shmem::pin(place).expect("a cap with waiters is never reclaimed");
         super::expire_due(&cap); // wakes the waiters that the freed slots serve, us included
+        let mut rate_wait = None;
         if let Some(from) = cap.may_take(ticket) {
-            if let Some(got) = super::take(&cap, n, k, from, session::now(), kind)? {
+            if let Some(got) = super::take(&cap, n, k, from, session::now(), kind, gate)? {
                 drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
                 let waited = waited();
@@ -109,6 +113,9 @@ pub(super) fn wait_in_line(
                 cap.observe(Metric::Wait, waited);
                 return Ok(Some(got));
             }
+            // The rate refused (the slots were free): a timer for the instant it allows,
+            // keeping this waiter's place (no later arrival takes the rate first).
+            rate_wait = gate.and_then(|g| g.take_retry_after());
         }
         let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
         if left.is_some_and(|l| l.is_zero()) {
@@ -122,7 +129,8 @@ pub(super) fn wait_in_line(
             return Ok(None);
         }
         drop(cap);
-        sleep(left.unwrap_or(RECHECK).min(RECHECK), &mut checked);
+        let nap = left.unwrap_or(RECHECK).min(RECHECK);
+        sleep(rate_wait.map_or(nap, |r| nap.min(r)), &mut checked);
     }
 }
 

@@ -9,6 +9,7 @@
 //! waiter × waiters            who waits for which cap, one per backend (`shmem::waitq`)
 //! lease × leases              slots held by a token (`shmem::leases`)
 //! policy × policies           adaptive caps' bounds and what they learned (`shmem::adaptive`)
+//! rate policy × rate_policies rate policies on caps and prefixes (`shmem::rates`)
 //! rate × rate_records         rate keys' arrival times (`rate`, `shmem::rates`)
 //! u32 × rate_records / BUCKET their buckets' claim locks
 //! (to a cache line)
@@ -33,6 +34,7 @@ pub struct Counts {
     pub waiters: u32,
     pub leases: u32,
     pub policies: u32,
+    pub rate_policies: u32,
     /// Records of the rate table (`rate::records_for`: a multiple of its bucket).
     pub rate_records: u32,
     pub hazards: u32,
@@ -48,6 +50,7 @@ pub struct Sizes {
     pub waiter: usize,
     pub lease: usize,
     pub policy: usize,
+    pub rate_policy: usize,
     pub rate: usize,
     pub hazard: usize,
 }
@@ -59,6 +62,7 @@ pub struct Layout {
     pub waiters: usize,
     pub leases: usize,
     pub policies: usize,
+    pub rate_policies: usize,
     pub rates: usize,
     pub rate_locks: usize,
     pub hazards: usize,
@@ -76,7 +80,8 @@ impl Layout {
         let waiters = entries + c.caps as usize * s.entry;
         let leases = waiters + c.waiters as usize * s.waiter;
         let policies = leases + c.leases as usize * s.lease;
-        let rates = policies + c.policies as usize * s.policy;
+        let rate_policies = policies + c.policies as usize * s.policy;
+        let rates = rate_policies + c.rate_policies as usize * s.rate_policy;
         let rate_locks = rates + c.rate_records as usize * s.rate;
         let rate_end = rate_locks + c.rate_records as usize / crate::rate::BUCKET * 4;
         let hazards = rate_end.next_multiple_of(CACHE_LINE);
@@ -91,6 +96,7 @@ impl Layout {
             waiters,
             leases,
             policies,
+            rate_policies,
             rates,
             rate_locks,
             hazards,
@@ -123,6 +129,7 @@ mod unit {
         waiter: 48,
         lease: 48,
         policy: 256,
+        rate_policy: 128,
         rate: 24,
         hazard: 64,
     };
@@ -139,6 +146,7 @@ mod unit {
                 waiters,
                 leases,
                 policies,
+                rate_policies: policies + 1,
                 rate_records,
                 hazards: waiters,
                 index_len: 2 * caps.next_power_of_two(),
@@ -149,7 +157,14 @@ mod unit {
             assert_eq!(l.waiters - l.entries, caps as usize * SIZES.entry);
             assert_eq!(l.leases - l.waiters, waiters as usize * SIZES.waiter);
             assert_eq!(l.policies, l.leases + leases as usize * SIZES.lease);
-            assert_eq!(l.rates, l.policies + policies as usize * SIZES.policy);
+            assert_eq!(
+                l.rate_policies,
+                l.policies + policies as usize * SIZES.policy
+            );
+            assert_eq!(
+                l.rates,
+                l.rate_policies + (policies + 1) as usize * SIZES.rate_policy
+            );
             assert!(l.rates.is_multiple_of(8), "rate records are 8-aligned");
             assert_eq!(l.rate_locks, l.rates + rate_records as usize * SIZES.rate);
             let rate_end = l.rate_locks + rate_records as usize / crate::rate::BUCKET * 4;

@@ -58,12 +58,21 @@ pub fn records_for(keys: u32) -> usize {
     (2 * keys as usize).next_multiple_of(BUCKET).max(2 * BUCKET)
 }
 
-/// The digest of key `name` of database `db` under `secret` (SipHash-1-3): never 0.
-pub fn digest(secret: [u64; 2], db: u32, name: &[u8]) -> u64 {
+/// Whose key a digest names: a key of `stage_e_try_rate`, or a cap's own rate (a policy's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Space {
+    Key = 0,
+    Cap = 1,
+}
+
+/// The digest of key `name` of database `db` in `space` under `secret` (SipHash-1-3): never 0.
+pub fn digest(secret: [u64; 2], db: u32, space: Space, name: &[u8]) -> u64 {
     use siphasher::sip::SipHasher13;
     use std::hash::Hasher;
     let mut h = SipHasher13::new_with_keys(secret[0], secret[1]);
     h.write(&db.to_le_bytes());
+    h.write_u8(space as u8);
     h.write(name);
     h.finish().max(1)
 }
@@ -276,6 +285,24 @@ impl<'a> Table<'a> {
                 Claimed::NoRoom => return Err(Full),
             }
         }
+    }
+
+    /// What a call would be told now, charging nothing (a key not in the table has `fresh`).
+    /// The answer may be stale by the time of a charge: only [`Table::charge`] decides.
+    pub fn peek(&self, call: &Call) -> Decision {
+        let tat = loop {
+            match self.find(call.key) {
+                None => break call.fresh,
+                Some(r) => {
+                    let t = r.tat.load(Ordering::Acquire);
+                    if t != BUSY && r.tag.load(Ordering::Relaxed) == call.key {
+                        break t;
+                    }
+                    spin_loop(); // claimed or emptied meanwhile: look again
+                }
+            }
+        };
+        decide(tat, call.now, call.rate, call.cost)
     }
 
     fn claim(&self, d: u64, db: u32, now: u64, tat: u64, room: &dyn Room) -> Claimed {
@@ -659,6 +686,22 @@ mod tests {
     }
 
     #[test]
+    fn a_peek_charges_nothing_and_tells_what_a_charge_would() {
+        let (recs, locks) = table(16);
+        let t = Table::over(&recs, &locks);
+        let pool = Pool::new(16, 16);
+        let r = rate(1, SEC as i64, 2);
+        let call = Call::new(11, 1, SEC, r);
+        for _ in 0..3 {
+            assert!(t.peek(&call).allowed, "a peek charged");
+        }
+        assert_eq!(t.peek(&call), t.charge(&call, &pool).unwrap());
+        assert!(t.charge(&call, &pool).unwrap().allowed);
+        assert!(!t.peek(&call).allowed);
+        assert_eq!(t.peek(&call), t.charge(&call, &pool).unwrap());
+    }
+
+    #[test]
     fn a_key_whose_tat_has_passed_is_a_new_key() {
         let r = rate(5, SEC as i64, 4);
         assert_eq!(decide(3 * SEC, 100 * SEC, r, 1), decide(0, 100 * SEC, r, 1));
@@ -745,14 +788,14 @@ mod tests {
                 let pool = Pool::new(keys as usize, keys as usize);
                 let r = rate(1, SEC as i64, 1);
                 for k in 0..keys {
-                    let d = digest([secret, 7], 1, &k.to_le_bytes());
+                    let d = digest([secret, 7], 1, Space::Key, &k.to_le_bytes());
                     let got = t.charge(&Call::new(d, 1, 0, r), &pool);
                     assert!(
                         got.unwrap().allowed,
                         "{keys} keys, secret {secret}: key {k}"
                     );
                 }
-                let extra = digest([secret, 7], 1, b"one more");
+                let extra = digest([secret, 7], 1, Space::Key, b"one more");
                 assert_eq!(t.charge(&Call::new(extra, 1, 0, r), &pool), Err(Full));
             }
         }
@@ -894,10 +937,16 @@ mod tests {
     #[test]
     fn digests_differ_by_database_and_secret_and_are_never_zero() {
         let s = [1, 2];
-        assert_ne!(digest(s, 1, b"k"), digest(s, 2, b"k"));
-        assert_ne!(digest(s, 1, b"k"), digest([3, 4], 1, b"k"));
-        assert_eq!(digest(s, 1, b"k"), digest(s, 1, b"k"));
-        assert_ne!(digest(s, 1, b""), 0);
+        let d = |s, db, name: &[u8]| digest(s, db, Space::Key, name);
+        assert_ne!(d(s, 1, b"k"), d(s, 2, b"k"));
+        assert_ne!(d(s, 1, b"k"), d([3, 4], 1, b"k"));
+        assert_eq!(d(s, 1, b"k"), d(s, 1, b"k"));
+        assert_ne!(
+            d(s, 1, b"k"),
+            digest(s, 1, Space::Cap, b"k"),
+            "a cap's rate is not a key's"
+        );
+        assert_ne!(d(s, 1, b""), 0);
     }
 }
 

@@ -1,0 +1,229 @@
+"""Rate policies on caps (0.10.0, issue 37): stage_e_rate_limit(cap, count, per, burst) and
+stage_e_rate_limit_off(cap), on a cluster of their own, pg_locks the independent observer.
+Every acquisition of a rate-limited cap is granted only when a slot is free and the rate
+allows, and charges both or neither (a refused rate takes no slot, a full cap charges no
+rate); a prefix policy ('tenant:*') gives each cap under it a rate of its own and a cap's own
+policy wins; k slots charge k; leases too; a waiter the rate holds back is served at the
+instant the rate allows, keeping its turn; the policies are transactional, restricted and
+durable (a restart and a crash keep them, from the counter rows)."""
+
+import threading
+import time
+
+import pytest
+from conftest import cap_locks, one
+from pgcluster import Cluster
+from psycopg import errors
+
+DB = "ratepol"
+
+
+@pytest.fixture(scope="module")
+def pc():
+    c = Cluster("rate_policies", {"stage_e_slots.flush_interval": "'1h'"}).init().start()
+    c.create_database(DB)
+    yield c
+    c.destroy()
+
+
+@pytest.fixture
+def admin(pc):
+    with pc.connect(DB, "admin") as a:
+        yield a
+
+
+def limit(conn, cap, count, per, burst=1):
+    conn.execute("SELECT stage_e_rate_limit(%s, %s, %s::interval, %s)", (cap, count, per, burst))
+
+
+def take(conn, cap, n, wait=None):
+    if wait is None:
+        return one(conn, "SELECT stage_e_try_slot(%s, %s)", (cap, n))
+    return one(conn, "SELECT stage_e_try_slot(%s, %s, %s::interval)", (cap, n, wait))
+
+
+def release(conn, cap, slot):
+    assert one(conn, "SELECT stage_e_release(%s, %s)", (cap, slot)) is True
+
+
+def test_slots_are_granted_only_while_the_rate_allows_and_a_refusal_takes_no_slot(pc, admin):
+    """2 a minute in bursts of 2 on a cap of 4: two slots, then NULL with two slots free;
+    pg_locks shows the two and no third; the throttled call is counted."""
+    limit(admin, "api", 2, "1 min", 2)
+    with pc.connect(DB, "w") as w:
+        assert [take(w, "api", 4) for _ in range(3)] == [0, 1, None]
+        assert [s for s, _ in cap_locks(admin, "api")] == [0, 1]
+        assert one(admin, "SELECT throttled FROM stage_e_stats() WHERE cap = 'api'") == 1
+        release(w, "api", 0)
+        assert take(w, "api", 4) is None, "a release gives no rate back"
+        assert [s for s, _ in cap_locks(admin, "api")] == [1]
+
+
+def test_a_full_cap_charges_no_rate(pc, admin):
+    """A cap of 1, 1 a minute in bursts of 3: while its slot is held, other calls are refused
+    and charge nothing, so the burst serves exactly three acquisitions in all."""
+    limit(admin, "full", 1, "1 min", 3)
+    with pc.connect(DB, "a") as a, pc.connect(DB, "b") as b:
+        got = 0
+        for _ in range(3):
+            slot = take(a, "full", 1)
+            assert slot == 0
+            got += 1
+            for _ in range(5):
+                assert take(b, "full", 1) is None  # the cap is full: no rate charged
+            release(a, "full", slot)
+        assert got == 3
+        assert take(b, "full", 1) is None, "the burst is spent: 3 acquisitions in all"
+        assert cap_locks(admin, "full") == []
+
+
+def test_k_slots_charge_k_and_more_than_the_burst_is_refused(pc, admin):
+    limit(admin, "batch", 1, "1 min", 3)
+    with pc.connect(DB, "w") as w:
+        assert one(w, "SELECT stage_e_try_slots('batch', 8, 2)") == [0, 1]
+        assert one(w, "SELECT stage_e_try_slots('batch', 8, 2)") is None, "1 left of 3"
+        assert [s for s, _ in cap_locks(admin, "batch")] == [0, 1]
+        assert take(w, "batch", 8) == 2
+        with pytest.raises(errors.InvalidParameterValue) as e:
+            w.execute("SELECT stage_e_try_slots('batch', 8, 4)")
+        assert "could never be allowed" in e.value.diag.message_detail
+
+
+def test_a_prefix_policy_gives_each_cap_its_own_rate_and_a_caps_own_policy_wins(pc, admin):
+    limit(admin, "tenant:*", 1, "1 min", 1)
+    limit(admin, "tenant:vip", 1000, "1 s", 1000)
+    with pc.connect(DB, "w") as w:
+        for cap in ("tenant:1", "tenant:2"):
+            slot = take(w, cap, 4)
+            assert slot == 0
+            release(w, cap, slot)
+            assert take(w, cap, 4) is None, f"{cap}: its own rate, 1 a minute"
+        for _ in range(20):
+            slot = take(w, "tenant:vip", 4)
+            assert slot == 0
+            release(w, "tenant:vip", slot)
+        for _ in range(5):  # no policy: not limited
+            release(w, "other", take(w, "other", 4))
+
+
+def test_policies_are_transactional(pc, admin):
+    """A rolled-back transaction, or savepoint, sets nothing; a committed one applies at its
+    commit, not before (another session is not limited until then); off gives the cap back."""
+    with pc.connect(DB, "w") as w:
+        admin.execute("BEGIN")
+        limit(admin, "tx", 1, "1 min")
+        admin.execute("ROLLBACK")
+        for _ in range(3):
+            release(w, "tx", take(w, "tx", 4))
+        admin.execute("BEGIN")
+        admin.execute("SAVEPOINT s")
+        limit(admin, "tx", 1, "1 min")
+        admin.execute("ROLLBACK TO SAVEPOINT s")
+        admin.execute("COMMIT")
+        for _ in range(3):
+            release(w, "tx", take(w, "tx", 4))
+        admin.execute("BEGIN")
+        limit(admin, "tx", 1, "1 min")
+        for _ in range(3):  # not yet committed: not yet limited
+            release(w, "tx", take(w, "tx", 4))
+        admin.execute("COMMIT")
+        release(w, "tx", take(w, "tx", 4))
+        assert take(w, "tx", 4) is None
+        assert admin.execute("SELECT rate_count, rate_per, rate_burst FROM "
+                             "stage_e_throttle_counter WHERE cap = 'tx'").fetchone()[0] == 1
+        admin.execute("SELECT stage_e_rate_limit_off('tx')")
+        for _ in range(3):
+            release(w, "tx", take(w, "tx", 4))
+        assert admin.execute("SELECT rate_count FROM stage_e_throttle_counter "
+                             "WHERE cap = 'tx'").fetchone()[0] is None
+
+
+BAD = [
+    ("NULL, 1, '1 s', 1", "22004"),
+    ("'c', NULL, '1 s', 1", "22004"),
+    ("'c', 1, NULL, 1", "22004"),
+    ("'c', 1, '1 s', NULL", "22004"),
+    ("'c', 0, '1 s', 1", "22023"),
+    ("'c', 1, '0', 1", "22023"),
+    ("'c', 1, '2 days', 1", "22023"),
+    ("'c', 1, '1 s', 0", "22023"),
+    ("'', 1, '1 s', 1", "22023"),
+]
+
+
+@pytest.mark.parametrize("args,state", BAD)
+def test_bad_input_is_class_22_and_sets_nothing(pc, admin, args, state):
+    with pytest.raises(errors.Error) as e:
+        admin.execute(f"SELECT stage_e_rate_limit({args})")
+    assert e.value.sqlstate == state
+    assert one(admin, "SELECT count(*) FROM stage_e_throttle_counter WHERE cap = 'c'") == 0
+
+
+def test_restricted_to_superusers_and_the_owner(pc, admin):
+    pc.sql("DROP ROLE IF EXISTS rate_plain")
+    pc.sql("CREATE ROLE rate_plain LOGIN")
+    pc.sql(f'GRANT CONNECT ON DATABASE "{DB}" TO rate_plain')
+    with pc.connect(DB, user="rate_plain") as u:
+        for call in ("SELECT stage_e_rate_limit('x', 1, '1 s')",
+                     "SELECT stage_e_rate_limit('x', 1, '1 s', 2)",
+                     "SELECT stage_e_rate_limit_off('api')"):
+            with pytest.raises(errors.InsufficientPrivilege):
+                u.execute(call)
+            u.rollback()
+    assert one(admin, "SELECT count(*) FROM stage_e_throttle_counter WHERE cap = 'x'") == 0
+
+
+def test_a_lease_on_a_rate_limited_cap(pc, admin):
+    limit(admin, "leased", 1, "1 min", 1)
+    with pc.connect(DB, "w") as w:
+        lease = "SELECT (stage_e_lease('leased', 4, '1 min')).slot"
+        assert [one(w, lease) for _ in range(3)] == [0, None, None]
+        assert one(admin, "SELECT count(*) FROM stage_e_slot_holders WHERE cap = 'leased'") == 1
+
+
+def test_a_waiter_held_by_the_rate_is_served_at_its_instant_and_keeps_its_turn(pc, admin):
+    """1 per 400 ms on a cap of 4: after one acquisition, a waiting call is served when the
+    rate allows (about 400 ms later: by a timer, not at the next 100 ms recheck, and well
+    before its wait ends), and a call that arrives while it waits takes nothing, though slots
+    are free and the instant may have come."""
+    limit(admin, "w", 1, "400 ms", 1)
+    with pc.connect(DB, "a") as a, pc.connect(DB, "b") as b, pc.connect(DB, "c") as c:
+        assert take(a, "w", 4) == 0
+        result = {}
+
+        def waiter():
+            started = time.monotonic()
+            result["slot"] = take(b, "w", 4, "5 s")
+            result["waited"] = time.monotonic() - started
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.15)
+        late = [take(c, "w", 4) for _ in range(20)]  # a later arrival, over the instant
+        t.join(timeout=10)
+        assert result["slot"] == 1, result
+        assert 0.3 < result["waited"] < 0.55, result
+        assert all(s is None for s in late[:3]), late
+        assert [s for s, _ in cap_locks(admin, "w")][:2] == [0, 1]
+
+
+def test_policies_survive_a_clean_restart_and_a_crash(pc, admin):
+    """1 an hour on 'kept' and on every 'kept:...' cap, each spent once: after a clean restart
+    (the keys kept exactly) and after a crash (every key starts spent) both are still refused,
+    from the policies the rows keep; a cap without a policy is not."""
+    limit(admin, "kept", 1, "1 h", 1)
+    limit(admin, "kept:*", 1, "1 h", 1)
+    with pc.connect(DB, "w") as w:
+        for cap in ("kept", "kept:1"):
+            release(w, cap, take(w, cap, 4))
+    for stop in ("clean", "crash"):
+        if stop == "clean":
+            pc.stop("fast")
+        else:
+            pc.crash()
+        pc.start()
+        with pc.connect(DB, "w") as w:
+            assert take(w, "kept", 4) is None, stop
+            assert take(w, "kept:1", 4) is None, stop
+            assert take(w, "kept:2", 4) is None if stop == "crash" else take(w, "kept:3", 4) == 0
+            release(w, "free", take(w, "free", 4))
