@@ -14,8 +14,12 @@ just these (a few minutes) into bench/results/rates.json and rates.md.
   leaky bucket (`INSERT ... ON CONFLICT` into an UNLOGGED table), ratios reported (the issue
   expects >= 5x).
 
-Not here yet (the rest of issue 37): the composed cap (n = 4 and 20 a second) and the pair on
-a rate-limited cap, which need rate policies on caps.
+- **Composed**: a cap of n = 4 with a rate policy of 20 a second (`stage_e_rate_limit`), 16
+  clients taking a slot with `wait => '2 s'` and holding it 10 ms, for 30 s: never more than 4
+  held (pg_locks sampled by an observer), at most 20 admissions in any 1 s window (+ the burst
+  of 1), and the rate used: at least 0.95 x 20 a second over the run.
+- **The pair on a rate-limited cap** (a rate it never refuses) against the pair on a plain cap,
+  8 clients: target >= 0.95x.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -88,7 +93,12 @@ SCRIPTS = {
                                             "SELECT take_token('key' || :x, 100, 10);\n"),
     "leaky bucket (liberapay), 1,000 keys": ("\\set x random(1, 1000)\n"
                                              "SELECT hit_rate_limit('key' || :x, 10, 0.1);\n"),
+    "pair, plain cap": ("SELECT stage_e_try_slot('plain', 64) AS s \\gset\n"
+                        "SELECT stage_e_release('plain', :s);\n"),
+    "pair, rate-limited cap": ("SELECT stage_e_try_slot('limited', 64) AS s \\gset\n"
+                               "SELECT stage_e_release('limited', :s);\n"),
 }
+COMPOSED_S, COMPOSED_CLIENTS, COMPOSED_RATE = 30, 16, 20
 
 
 def pgbench(c: Cluster, script: str, clients: int, seconds: int) -> float:
@@ -141,6 +151,54 @@ def accuracy(c: Cluster, keys: int, count: int, burst: int) -> dict:
             "window_max": max((windows(v) for v in per_key.values()), default=0)}
 
 
+def composed(c: Cluster) -> dict:
+    """16 clients on a cap of 4 limited to 20 a second: each takes a slot waiting up to 2 s,
+    holds it 10 ms, gives it back; an observer samples the cap's granted locks in pg_locks."""
+    with c.connect(DB) as s:
+        s.execute("SELECT stage_e_rate_limit('composed', %s, '1 s')", (COMPOSED_RATE,))
+        key = s.execute("SELECT stage_e_cap_key('composed')").fetchone()[0]
+    stop = time.monotonic() + COMPOSED_S
+    grants: list[float] = []
+    timeouts = [0]
+    held_max = [0]
+    lock = threading.Lock()
+
+    def client() -> None:
+        with c.connect(DB, "composed") as s:
+            while time.monotonic() < stop:
+                slot = s.execute("SELECT stage_e_try_slot('composed', 4, '2 s')").fetchone()[0]
+                if slot is None:
+                    with lock:
+                        timeouts[0] += 1
+                    continue
+                with lock:
+                    grants.append(time.monotonic())
+                time.sleep(0.01)
+                s.execute("SELECT stage_e_release('composed', %s)", (slot,))
+
+    def observer() -> None:
+        with c.connect(DB, "observer") as s:
+            while time.monotonic() < stop:
+                held = s.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                                 "AND classid = %s::oid AND objsubid = 2 AND granted",
+                                 (key,)).fetchone()[0]
+                held_max[0] = max(held_max[0], held)
+                time.sleep(0.002)
+
+    threads = [threading.Thread(target=client) for _ in range(COMPOSED_CLIENTS)]
+    threads.append(threading.Thread(target=observer))
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - started
+    return {"seconds": COMPOSED_S, "elapsed": elapsed, "clients": COMPOSED_CLIENTS,
+            "rate": COMPOSED_RATE, "n": 4, "grants": len(grants), "timeouts": timeouts[0],
+            "held_max": held_max[0], "window_max": windows(grants),
+            "per_second": len(grants) / COMPOSED_S}
+
+
 def bench_rates(pg_config: str = PG_CONFIG) -> dict:
     started = time.monotonic()
     c = Cluster("rates_bench", {"fsync": "on", "max_connections": 100}, port=PORT,
@@ -156,6 +214,11 @@ def bench_rates(pg_config: str = PG_CONFIG) -> dict:
         one = accuracy(c, 1, 100, 10)
         print("  rate accuracy: 1,000 keys, 16 clients, 20 s", flush=True)
         many = accuracy(c, 1000, 10, 10)
+        print(f"  composed: a cap of 4 at {COMPOSED_RATE}/s, {COMPOSED_CLIENTS} clients, "
+              f"{COMPOSED_S} s", flush=True)
+        both = composed(c)
+        with c.connect(DB) as s:  # a rate the pair never meets: its cost alone
+            s.execute("SELECT stage_e_rate_limit('limited', 1000000000, '1 s', 1000000000)")
         seen: dict[str, list[float]] = {k: [] for k in SCRIPTS}
         order = list(SCRIPTS)
         print(f"  rate speed: {len(SCRIPTS)} workloads, {ROUNDS} rounds x {SECONDS} s, "
@@ -167,6 +230,7 @@ def bench_rates(pg_config: str = PG_CONFIG) -> dict:
         c.destroy()
     return {"version": version, "server": server, "accuracy": {"one key": one,
                                                                "1,000 keys": many},
+            "composed": both,
             "tps_rounds": seen, "tps": {k: statistics.median(v) for k, v in seen.items()},
             "seconds": round(time.monotonic() - started)}
 
@@ -183,7 +247,19 @@ def targets(r: dict) -> list[dict]:
                       ">=", count * t - 1, ""))
         rows.append(T(f"rate accuracy, {label}: most allowed for a key in a 1 s window",
                       [a["window_max"]], "<=", count + burst - 1, ""))
+    if "composed" in r:
+        b = r["composed"]
+        rows.append(T("composed (n = 4, 20/s): most held at once (pg_locks)", [b["held_max"]],
+                      "<=", 4, ""))
+        rows.append(T("composed (n = 4, 20/s): most admitted in a 1 s window", [b["window_max"]],
+                      "<=", b["rate"] + 1, ""))
+        rows.append(T("composed (n = 4, 20/s): admitted per second over the run",
+                      [b["per_second"]], ">=", 0.95 * b["rate"], "/s"))
     tps = r["tps_rounds"]
+    if "pair, rate-limited cap" in tps:
+        rows.append(T("pair on a rate-limited cap vs on a plain cap, 8 clients",
+                      verdicts.ratios(tps["pair, rate-limited cap"], tps["pair, plain cap"]),
+                      ">=", 0.95))
     rows.append(T("stage_e_try_rate vs SELECT abs($1), 8 clients",
                   verdicts.ratios(tps["stage_e_try_rate"], tps["abs($1)"]), ">=", 0.95))
     for where in ("hot key", "1,000 keys"):
@@ -205,6 +281,15 @@ def report(r: dict) -> str:
         lines.append(f"| {label}, {a['count']}/s, burst {a['burst']}, {a['elapsed']:.1f} s | "
                      f"{a['calls']:,} | {a['allowed_total']:,} | {a['allowed_min']} / "
                      f"{a['allowed_max']} | {a['window_max']} |")
+    if "composed" in r:
+        b = r["composed"]
+        lines += ["", "| composed: n = 4, 20/s, 16 clients waiting up to 2 s, holding 10 ms | "
+                      "figure |", "| --- | ---: |",
+                  f"| admitted in {b['seconds']} s | {b['grants']:,} "
+                  f"({b['per_second']:.1f}/s) |",
+                  f"| most admitted in a 1 s window | {b['window_max']} |",
+                  f"| most held at once (pg_locks, sampled) | {b['held_max']} |",
+                  f"| waits that timed out | {b['timeouts']:,} |"]
     lines += ["", "| workload | tps (median) |", "| --- | ---: |"]
     lines += [f"| {k} | {v:,.0f} |" for k, v in r["tps"].items()]
     rows = r.get("targets") or targets(r)
