@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import stage_e_slots
 from pgcluster import wait_for  # scripts/, put on sys.path by tests/conftest.py
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "django"
@@ -397,7 +398,9 @@ def test_stage_e_status(tmp_path, cluster, db, connect):
     print(f"\n{full}")
 
     lines = full.splitlines()
-    assert re.fullmatch(rf"stage_e_slots 0\.9\.0, database {db}, .+", lines[0])
+    # The extension's version is the package's (both are Cargo.toml's).
+    version = re.escape(stage_e_slots.__version__)
+    assert re.fullmatch(rf"stage_e_slots {version}, database {db}, .+", lines[0])
     blocks = "\n".join(lines)
     assert ("cap dispatch: n 3, held 1, waiting 0\n"
             "  acquired 1, throttled 0, throttle rate 0.0%\n") in blocks
@@ -426,7 +429,8 @@ def test_stage_e_status(tmp_path, cluster, db, connect):
 
     # --interval: each frame after clearing the screen; --count: that many frames.
     assert frames.count(CLEAR) == 2 and frames.startswith(CLEAR)
-    assert len(re.findall(r"^(?:\x1b\[H\x1b\[2J)?stage_e_slots 0\.9\.0, ", frames, re.MULTILINE)) == 2
+    assert len(re.findall(rf"^(?:\x1b\[H\x1b\[2J)?stage_e_slots {version}, ", frames,
+                          re.MULTILINE)) == 2
     assert frames.count("cap exports: n 1, held 1, waiting 1") == 2
     assert CLEAR not in full
 
