@@ -11,14 +11,17 @@
 //! |                                  | `stage_e_stats_v2`                   | 0.2.0        |
 //! |                                  | `stage_e_stats_v3`                   | 0.3.0        |
 //! |                                  | `stage_e_stats_v4`                   | 0.4.0–0.7.0  |
+//! |                                  | `stage_e_stats_v5`                   | 0.8.0, 0.9.0 |
 //! | `stage_e_slot_holders_internal()`| `stage_e_slot_holders_internal`      | 0.1.0        |
 //! |                                  | `stage_e_slot_holders_internal_v2`   | 0.2.0, 0.3.0 |
 //! | `stage_e_flush()`                | `stage_e_flush`                      | 0.1.0        |
 //! |                                  | `stage_e_flush_v2`                   | 0.2.0        |
 //! |                                  | `stage_e_flush_v3`                   | 0.3.0        |
+//! |                                  | `stage_e_flush_v4`                   | 0.4.0–0.9.0  |
 //! | `stage_e_pending(bigint)`        | `stage_e_pending`                    | 0.1.0        |
 //! |                                  | `stage_e_pending_v2`                 | 0.2.0        |
 //! |                                  | `stage_e_pending_v3`                 | 0.3.0        |
+//! |                                  | `stage_e_pending_v4`                 | 0.4.0–0.9.0  |
 //! | `stage_e_snapshot()`             | `stage_e_snapshot`                   | 0.1.0        |
 //! | `stage_e_try_slot(int, interval)`| `stage_e_try_slot_wait`              | 0.3.0, 0.4.0 |
 //!
@@ -26,7 +29,7 @@
 //! retired `stage_e_try_slot(n integer, wait interval)`: with two untyped parameters it tied
 //! with `stage_e_try_slot(cap text, n integer)`.
 
-use crate::api;
+use crate::api::{self, CurrentN};
 use crate::errors::{raise, raise_flush};
 use crate::flush::{self, Write};
 use crate::gucs;
@@ -38,7 +41,7 @@ use pgrx::prelude::*;
 use serde_json::json;
 use stage_e_core::counters::CounterValues;
 use stage_e_core::directory::DEFAULT_CAP;
-use stage_e_core::{for_each_counter, for_each_counter_0_2_0, for_each_counter_0_3_0};
+use stage_e_core::{for_each_counter_0_2_0, for_each_counter_0_3_0, for_each_counter_0_9_0};
 
 fn default_of(rows: Vec<(String, CounterValues)>) -> CounterValues {
     rows.into_iter()
@@ -204,11 +207,37 @@ for_each_counter_0_3_0!(counter_table_fn,
 
 // -- 0.4.0 to 0.7.0: stats without the cap's current n ---------------------------------------
 
-for_each_counter!(counter_table_fn,
+for_each_counter_0_9_0!(counter_table_fn,
     #[pg_extern(sql = false)]
     fn stage_e_stats_v4() -> (cap: Text, max_slots: i32, held: i32) {
         let _call = crate::report::calling("stage_e_stats");
         api::stats_rows()
+    }
+);
+
+// -- 0.4.0 to 0.9.0: ten counters (no `rate_limited`); 0.8.0 and 0.9.0's stats with n --------
+
+for_each_counter_0_9_0!(counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_stats_v5() -> (cap: Text, max_slots: i32, held: i32, n: CurrentN) {
+        let _call = crate::report::calling("stage_e_stats");
+        api::stats_rows_with_n()
+    }
+);
+
+for_each_counter_0_9_0!(counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_flush_v4() -> (cap: Text) {
+        let _call = crate::report::calling("stage_e_flush");
+        api::flush_rows()
+    }
+);
+
+for_each_counter_0_9_0!(counter_table_fn,
+    #[pg_extern(sql = false)]
+    fn stage_e_pending_v4(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
+        let _call = crate::report::calling("stage_e_pending");
+        api::pending_rows(row_flush_id)
     }
 );
 

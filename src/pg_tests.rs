@@ -210,10 +210,10 @@ mod tests {
             // 0.5.0 retired stage_e_try_slot(n integer, wait interval): 24; 0.6.0 adds
             // stage_e_held_back_internal, 0.8.0 stage_e_histograms and
             // stage_e_histogram_quantiles_internal, 0.9.0 stage_e_adapt, stage_e_adapt_off and
-            // stage_e_cap_limits_internal, 0.10.0 stage_e_try_rate, stage_e_rate_limit and
-            // stage_e_rate_limit_off.
+            // stage_e_cap_limits_internal, 0.10.0 stage_e_try_rate, stage_e_rate_limit,
+            // stage_e_rate_limit_off and stage_e_rate_limits_internal.
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(33)
+            Some(34)
         );
         // stage_e_lease returns its own row type, (slot integer, token bigint).
         assert_eq!(

@@ -171,6 +171,7 @@ FUNCTION_SAMPLES = {
     "stage_e_rate_limit(text, integer, interval, integer)": (
         "acts", ["'k'", "1000", "'1 s'", "1000"]),
     "stage_e_rate_limit_off(text)": ("acts", ["'k'"]),
+    "stage_e_rate_limits_internal()": ("reads", []),
     "stage_e_try_rate(text, integer, interval, integer, integer)": (
         "acts", ["'k'", "1000", "'1 s'", "1000", "1"]),
     "stage_e_try_slot(integer)": ("acts", ["2"]),

@@ -49,6 +49,7 @@ COUNTERS = {  # metric: stage_e_stats() column
     "stage_e_slots_waits_total": "waits",
     "stage_e_slots_wait_timeouts_total": "wait_timeouts",
     "stage_e_slots_expired_total": "expired",
+    "stage_e_slots_rates_limited_total": "rate_limited",
 }
 SECONDS = {"stage_e_slots_wait_seconds_total": "wait_time",
            "stage_e_slots_hold_seconds_total": "hold_time"}
@@ -215,7 +216,7 @@ def make_traffic(cluster, db, opened):
     """On each cap of CAPS, every counter of stage_e_stats() and both histograms nonzero: a
     lease released by its token, all n slots taken, a throttle, a wait that times out, a wait
     that is served, a foreign release, the waiter's session ending with its slot, a lease that
-    expires. Left at the end: a holder of slots 0 .. n-2 of each cap, whose session is in
+    expires, an acquisition a rate policy refuses. Left at the end: a holder of slots 0 .. n-2 of each cap, whose session is in
     `opened` with every other one this opens (the caller closes them)."""
     holder = cluster.connect(db, "holder")
     other = cluster.connect(db, "other")
@@ -241,6 +242,13 @@ def make_traffic(cluster, db, opened):
         assert lease(other, cap, n, "0.3 s")[0] == n - 1
         wait_for(lambda: stats(other, cap)["expired"] == 1, timeout=15, interval=0.1,
                  what=f"the 0.3 s lease of {cap} to be freed and counted as expired")
+        # A rate policy of one an hour: one acquisition, then one the rate refuses
+        # (rate_limited); taken off again.
+        other.execute("SELECT stage_e_rate_limit(%s, 1, '1 h')", (cap,))
+        assert take(other, cap, n) == n - 1
+        assert take(other, cap, n) is None
+        assert give(other, cap, n - 1) is True
+        other.execute("SELECT stage_e_rate_limit_off(%s)", (cap,))
     for cap in CAPS:
         s = stats(other, cap)
         zero = [c for c in [*COUNTERS.values(), *SECONDS.values()] if not s[c]]
@@ -563,7 +571,7 @@ def test_prometheus_runs_every_dashboard_and_rule_query(cluster, db, sessions, p
 
     # Every rule loaded and evaluated without error, and its expression runs.
     names = alert_names()
-    assert len(names) == 7, names
+    assert len(names) == 8, names
 
     def rules():
         reply = prom.api("rules")

@@ -580,8 +580,15 @@ def test_a_0_9_0_database_is_served_without_rate_limits_then_updated_keeps_its_r
         with pytest.raises(errors.UndefinedFunction):
             other.execute("SELECT * FROM stage_e_try_rate('api', 1, '1 min', 2)")
         other.rollback()
+        columns = "SELECT * FROM stage_e_stats() WHERE cap = 'exports'"
+        cur = other.execute(columns)
+        assert [d.name for d in cur.description][-2:] == ["hold_time", "expired"]
+        assert cur.fetchone()[4] == 1  # acquired, through 0.9.0's symbol
 
         other.execute("ALTER EXTENSION stage_e_slots UPDATE TO '0.10.0'")
+        cur = other.execute(columns)
+        assert [d.name for d in cur.description][-2:] == ["expired", "rate_limited"]
+        assert cur.fetchone()[4] == 1
         assert one(other, "SELECT extversion FROM pg_extension "
                           "WHERE extname = 'stage_e_slots'") == "0.10.0"
         assert other.execute(

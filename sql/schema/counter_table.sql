@@ -2,7 +2,8 @@
 -- and added to once per flush interval (one statement per database, whatever the rate).
 -- The wait and hold counters (0.3.0) come after flush_id, where the update from 0.2.0 adds them,
 -- and expired (0.4.0) after them, lock_key (0.7.0), the histograms (0.8.0), then an adaptive
--- cap's policy and learned limit (0.9.0), then a rate policy (0.10.0) last.
+-- cap's policy and learned limit (0.9.0), then a rate policy and the rate_limited counter
+-- (0.10.0) last.
 -- Every statement of the extension names this table with its schema (see src/sql.rs).
 CREATE TABLE stage_e_throttle_counter (
     cap              text PRIMARY KEY
@@ -32,6 +33,7 @@ CREATE TABLE stage_e_throttle_counter (
     rate_count       integer,
     rate_per         interval,
     rate_burst       integer,
+    rate_limited     bigint NOT NULL DEFAULT 0,
     CONSTRAINT stage_e_throttle_counter_rate
       CHECK ((rate_count IS NULL) = (rate_per IS NULL) AND (rate_count IS NULL) = (rate_burst IS NULL)
              AND rate_count OPERATOR(pg_catalog.>=) 1 AND rate_burst OPERATOR(pg_catalog.>=) 1
@@ -71,6 +73,8 @@ COMMENT ON COLUMN stage_e_throttle_counter.rate_per IS
   'The interval rate_count is over (at most 1 day).';
 COMMENT ON COLUMN stage_e_throttle_counter.rate_burst IS
   'How many acquisitions may come at once (1: none).';
+COMMENT ON COLUMN stage_e_throttle_counter.rate_limited IS
+  'Acquisitions throttled by the cap''s rate policy (counted in throttled too).';
 COMMENT ON TABLE stage_e_throttle_counter IS
   'Durable stage_e_slots counters of this database: one row per cap, written by its first flush and added to once per flush interval. Rows of caps no longer used may be deleted.';
 -- No row is inserted here: pg_dump keeps the table's data, and a restore (which runs

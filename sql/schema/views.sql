@@ -20,7 +20,9 @@ SELECT COALESCE(c.cap, p.cap) AS cap,
          AS wait_timeouts,
        COALESCE(c.wait_time, '0') OPERATOR(pg_catalog.+) COALESCE(p.wait_time, '0') AS wait_time,
        COALESCE(c.hold_time, '0') OPERATOR(pg_catalog.+) COALESCE(p.hold_time, '0') AS hold_time,
-       COALESCE(c.expired, 0) OPERATOR(pg_catalog.+) COALESCE(p.expired, 0) AS expired
+       COALESCE(c.expired, 0) OPERATOR(pg_catalog.+) COALESCE(p.expired, 0) AS expired,
+       COALESCE(c.rate_limited, 0) OPERATOR(pg_catalog.+) COALESCE(p.rate_limited, 0)
+         AS rate_limited
   FROM @extschema@.stage_e_throttle_counter AS c
   FULL JOIN @extschema@.stage_e_pending(
               (SELECT pg_catalog.max(r.flush_id) FROM @extschema@.stage_e_throttle_counter AS r)
@@ -100,3 +102,26 @@ SELECT l.cap, l."limit", l.min_slots, l.max_slots, l.enforce, l.baseline_hold, l
 COMMENT ON VIEW stage_e_cap_limits IS
   'One row per adaptive cap of the current database: the limit learned from hold times (applied as least(n, limit) unless enforce is false), its bounds, the baseline and recent hold times, the slots held, and why the limit last moved.';
 GRANT SELECT ON stage_e_cap_limits TO PUBLIC;
+
+-- Rate policies (0.10.0): one row per rate-limited cap of this database. A prefix policy shows
+-- its pattern ('tenant:*', with its caps' throttles summed) and each live cap under it; a cap
+-- shows how many acquisitions of one slot its rate allows now and when the next is allowed.
+CREATE VIEW stage_e_rate_limits AS
+SELECT r.cap,
+       r.count,
+       r.per,
+       r.burst,
+       r.remaining,
+       r.next_at,
+       CASE WHEN pg_catalog.right(r.cap, 1) OPERATOR(pg_catalog.=) '*'
+            THEN (SELECT COALESCE(pg_catalog.sum(t.rate_limited), 0)::pg_catalog.int8
+                    FROM @extschema@.stage_e_throttle_totals AS t
+                   WHERE pg_catalog.starts_with(t.cap,
+                           pg_catalog.left(r.cap, -1)))
+            ELSE COALESCE((SELECT t.rate_limited FROM @extschema@.stage_e_throttle_totals AS t
+                            WHERE t.cap OPERATOR(pg_catalog.=) r.cap), 0)
+       END AS rate_limited
+  FROM @extschema@.stage_e_rate_limits_internal() AS r;
+COMMENT ON VIEW stage_e_rate_limits IS
+  'One row per rate-limited cap of the current database (stage_e_rate_limit): its rate, how many acquisitions of one slot it allows now, when the next is allowed, and how many were throttled by it; a prefix policy shows its pattern and each live cap under it.';
+GRANT SELECT ON stage_e_rate_limits TO PUBLIC;

@@ -119,7 +119,7 @@ mod snapshot;
 mod stats;
 
 pub use snapshot::snapshot_document;
-pub use stats::{flush_rows, pending_rows, stats_rows};
+pub use stats::{flush_rows, pending_rows, stats_rows, stats_rows_with_n, CurrentN};
 
 /// A counter as SQL shows it: a count as bigint, a time (microseconds) as interval.
 pub trait FromCounter {
@@ -161,12 +161,13 @@ extension_sql_file!(
     name = "views",
     requires = [
         "counter_table",
-        stats::stage_e_pending_v4,
+        stats::stage_e_pending_v5,
         stats::stage_e_slot_holders_internal_v3,
         stats::stage_e_slot_waiters_internal,
         stats::stage_e_cap_load_internal,
         stats::stage_e_histogram_quantiles_internal,
-        adapt::stage_e_cap_limits_internal
+        adapt::stage_e_cap_limits_internal,
+        rates::stage_e_rate_limits_internal
     ],
 );
 
@@ -174,7 +175,7 @@ extension_sql_file!(
     "../../sql/schema/privileges.sql",
     name = "privileges",
     requires = [
-        stats::stage_e_flush_v4,
+        stats::stage_e_flush_v5,
         stats::stage_e_reset_stats,
         stats::stage_e_reset_stats_cap,
         adapt::stage_e_adapt,

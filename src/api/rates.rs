@@ -6,8 +6,10 @@
 use super::CapArg;
 use crate::errors::raise;
 use crate::hooks;
+use crate::names::Text;
 use crate::slots;
 use crate::sql;
+use pgrx::datetime::TimestampWithTimeZone;
 use pgrx::prelude::*;
 
 /// Whether a call on rate `key` (`count` calls per `per`, bursts of `burst`) of weight `cost`
@@ -66,6 +68,37 @@ fn stage_e_rate_limit_off(cap: Option<CapArg<'_>>) {
     let _call = crate::report::calling("stage_e_rate_limit_off");
     hooks::ensure(); // applies the change at the commit
     slots::rates::rate_limit_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
+}
+
+/// One row per rate policy of the current database (a prefix policy's pattern, then each live
+/// cap under it): its rate, and for a cap how many acquisitions of one slot the rate allows
+/// now and when the next one is allowed. Behind the view `stage_e_rate_limits`.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)]
+fn stage_e_rate_limits_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, Text),
+        name!(count, i32),
+        name!(per, Interval),
+        name!(burst, i32),
+        name!(remaining, Option<i32>),
+        name!(next_at, Option<TimestampWithTimeZone>),
+    ),
+> {
+    let _call = crate::report::calling("stage_e_rate_limits_internal");
+    let rows = slots::rates::rate_limits().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().map(|r| {
+        (
+            Text(r.cap),
+            r.count as i32,
+            sql::interval_us(r.per_us),
+            r.burst as i32,
+            r.remaining.map(|n| n as i32),
+            r.next_at
+                .and_then(|t| TimestampWithTimeZone::try_from(t).ok()),
+        )
+    }))
 }
 
 /// An interval of fixed length in ns (None: months, or too long to count in ns).

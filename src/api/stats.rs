@@ -16,25 +16,31 @@ use stage_e_core::for_each_counter;
 use stage_e_core::histogram::{self, Metric};
 
 /// A cap's current n as SQL shows it: NULL before its first acquisition.
-type CurrentN = Option<i32>;
+pub type CurrentN = Option<i32>;
 
 for_each_counter!(counter_table_fn,
     /// One row per cap in use in the current database: counters since the cap was created,
     /// the slots held now (from the lock manager) and the cap's current n.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_stats")]
-    fn stage_e_stats_v5() -> (cap: Text, max_slots: i32, held: i32, n: CurrentN) {
+    fn stage_e_stats_v6() -> (cap: Text, max_slots: i32, held: i32, n: CurrentN) {
         let _call = crate::report::calling("stage_e_stats");
-        let max_slots = gucs::max_slots() as i32;
-        slots::stats()
-            .unwrap_or_else(|e| raise(e))
-            .into_iter()
-            .map(|s| {
-                let n = s.n.map(|n| n as i32);
-                ((Text(s.cap), max_slots, s.held as i32, n), s.counts)
-            })
-            .collect()
+        stats_rows_with_n()
     }
 );
+
+/// The rows of `stage_e_stats()` since 0.8.0 (each version shows its own counters).
+#[allow(clippy::type_complexity)]
+pub fn stats_rows_with_n() -> Vec<((Text, i32, i32, CurrentN), CounterValues)> {
+    let max_slots = gucs::max_slots() as i32;
+    slots::stats()
+        .unwrap_or_else(|e| raise(e))
+        .into_iter()
+        .map(|s| {
+            let n = s.n.map(|n| n as i32);
+            ((Text(s.cap), max_slots, s.held as i32, n), s.counts)
+        })
+        .collect()
+}
 
 /// The rows of `stage_e_stats()` from 0.2.0 to 0.7.0 (each version shows its own counters).
 pub fn stats_rows() -> Vec<((Text, i32, i32), CounterValues)> {
@@ -154,7 +160,7 @@ for_each_counter!(counter_table_fn,
     /// Adds every cap's pending counts to its stage_e_throttle_counter row now; returns what it
     /// added, per cap. Restricted (EXECUTE revoked from PUBLIC): superusers and the owner.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_flush")]
-    fn stage_e_flush_v4() -> (cap: Text) {
+    fn stage_e_flush_v5() -> (cap: Text) {
         let _call = crate::report::calling("stage_e_flush");
         flush_rows()
     }
@@ -213,7 +219,7 @@ for_each_counter!(counter_table_fn,
     /// the rows the caller read (the view passes it) so that a flush committing at that moment
     /// is not counted twice.
     #[pg_extern(volatile, parallel_unsafe, name = "stage_e_pending")]
-    fn stage_e_pending_v4(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
+    fn stage_e_pending_v5(row_flush_id: default!(Option<i64>, "NULL")) -> (cap: Text) {
         let _call = crate::report::calling("stage_e_pending");
         pending_rows(row_flush_id)
     }

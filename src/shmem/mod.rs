@@ -12,8 +12,8 @@
 //! - leases: `caps_with_leases_due`, [`LeaseCheck`], [`LeaseInfo`], [`LeaseRefused`];
 //! - load averages: `sample_load`, `load_of`, [`Load`];
 //! - rate keys: `try_rate`, `peek_rate`, `note_rates_recovered`, [`NoRoom`]; rate policies:
-//!   `rate_policy`, `rate_policy_room`, `reserve_rate_policies`, `unreserve_rate_policies`,
-//!   `set_rate_policy`, `clear_rate_policies`;
+//!   `rate_policy`, `rate_policies`, `rate_policy_room`, `reserve_rate_policies`,
+//!   `unreserve_rate_policies`, `set_rate_policy`, `clear_rate_policies`, [`RatePolicy`];
 //! - adaptive policies: `apply_policy`, `restore_policy`, `clear_policies`, `policy_room`,
 //!   `policy_count`, `policy_databases`, `learned_limit`, `cap_limits`, `adapt_tick`,
 //!   `limits_to_write`, `limits_written`, `databases_with_limits_to_write`, [`PolicyChange`],
@@ -91,9 +91,9 @@ pub use policies::{
     policy_room, reserve, restore_policy, unreserve, PolicyChange, PolicyView, ToWrite,
 };
 pub use rates::{
-    clear_rate_policies, note_recovered as note_rates_recovered, peek_rate, rate_policy,
-    rate_policy_room, reserve_rate_policies, set_rate_policy, try_rate, unreserve_rate_policies,
-    NoRoom,
+    clear_rate_policies, note_recovered as note_rates_recovered, peek_rate, rate_policies,
+    rate_policy, rate_policy_room, reserve_rate_policies, set_rate_policy, try_rate,
+    unreserve_rate_policies, NoRoom, RatePolicy,
 };
 pub use records::MAX_DATABASES;
 pub use segment::attached;

@@ -473,3 +473,24 @@ pub fn clear_rate_policies(db: u32) {
         }
     });
 }
+
+/// The rate policies of database `db`, by name or pattern (`tenant:*`), sorted.
+pub fn rate_policies(db: u32) -> Vec<RatePolicy> {
+    let Some(seg) = segment() else {
+        return Vec::new();
+    };
+    let mut out: Vec<RatePolicy> = seg
+        .rate_policies
+        .iter()
+        .map(read)
+        .filter(|p| p.0 == db && p.4 != 0)
+        .map(|(_, prefix, bytes, len, count, per_ns, burst)| RatePolicy {
+            count,
+            per_ns,
+            burst,
+            on: String::from_utf8_lossy(&bytes[..len]).into_owned() + if prefix { "*" } else { "" },
+        })
+        .collect();
+    out.sort_by(|a, b| a.on.cmp(&b.on));
+    out
+}

@@ -361,6 +361,7 @@ fn rate_admits(cap: &Cap, gate: &rates::Gate, k: u32, wait: Wait) -> Result<bool
     }
     if matches!(wait, Wait::No) && !gate.peek(k).allowed {
         cap.counters().bump(Counter::Throttled, 1);
+        cap.counters().bump(Counter::RateLimited, 1);
         return Ok(false);
     }
     Ok(true)
@@ -458,6 +459,9 @@ fn not_taken(
         }
         _ => {
             cap.counters().bump(Counter::Throttled, 1);
+            if gate.is_some_and(|g| g.refused()) {
+                cap.counters().bump(Counter::RateLimited, 1);
+            }
             Ok(None)
         }
     }

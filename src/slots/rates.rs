@@ -249,6 +249,9 @@ pub struct Gate {
     cap: String,
     rate: Rate,
     last: std::cell::Cell<Option<Decision>>,
+    /// Whether the rate said no to this acquisition at least once: a call that ends throttled
+    /// then counts as `rate_limited` too.
+    refused: std::cell::Cell<bool>,
 }
 
 impl Gate {
@@ -263,13 +266,14 @@ impl Gate {
             cap: cap.to_string(),
             rate: policy.rate(),
             last: std::cell::Cell::new(None),
+            refused: std::cell::Cell::new(false),
         })
     }
 
     /// What a charge of `cost` would be told now, charging nothing.
     pub fn peek(&self, cost: u32) -> Decision {
         let d = shmem::peek_rate(self.db, Space::Cap, self.cap.as_bytes(), self.rate, cost);
-        self.last.set(Some(d));
+        self.note(d);
         d
     }
 
@@ -293,8 +297,20 @@ impl Gate {
                 share: Some((share, limit)),
             },
         })?;
-        self.last.set(Some(d));
+        self.note(d);
         Ok(d.allowed)
+    }
+
+    fn note(&self, d: Decision) {
+        self.last.set(Some(d));
+        if !d.allowed {
+            self.refused.set(true);
+        }
+    }
+
+    /// Whether the rate refused this acquisition at least once.
+    pub fn refused(&self) -> bool {
+        self.refused.get()
     }
 
     /// How long until the last call told no would be allowed (None: it was allowed, or none
@@ -310,4 +326,56 @@ impl Gate {
     pub fn burst(&self) -> u32 {
         self.rate.burst
     }
+}
+
+/// One row of `stage_e_rate_limits`: a rate-limited cap (or a prefix policy's pattern), its
+/// policy, and for a cap how many calls of one slot its rate allows now and when the next is
+/// allowed (µs of the wall clock; now when one is).
+pub struct RateLimitRow {
+    pub cap: String,
+    pub count: u32,
+    pub per_us: u64,
+    pub burst: u32,
+    pub remaining: Option<u32>,
+    pub next_at: Option<i64>,
+}
+
+/// The rows of `stage_e_rate_limits` for this database: each policy, and under a prefix
+/// policy each live cap it limits. Reading needs the shared state only.
+pub fn rate_limits() -> Result<Vec<RateLimitRow>, SlotError> {
+    super::attached()?;
+    let db = session::database();
+    let now = session::now();
+    let policies = shmem::rate_policies(db);
+    let mut rows = Vec::new();
+    let row = |cap: String, p: &shmem::RatePolicy, live: bool| {
+        let (remaining, next_at) = if live {
+            let d = shmem::peek_rate(db, Space::Cap, cap.as_bytes(), p.rate(), 1);
+            let wait_us = d.retry_after.map_or(0, |ns| ns.div_ceil(1_000) as i64);
+            (Some(d.remaining), Some(now.saturating_add(wait_us)))
+        } else {
+            (None, None)
+        };
+        RateLimitRow {
+            cap,
+            count: p.count,
+            per_us: p.per_ns / 1_000,
+            burst: p.burst,
+            remaining,
+            next_at,
+        }
+    };
+    for p in &policies {
+        let pattern = p.on.ends_with('*');
+        rows.push(row(p.on.clone(), p, !pattern));
+        if pattern {
+            for cap in shmem::caps(Some(db)) {
+                let name = cap.name();
+                if shmem::rate_policy(db, &name).is_some_and(|q| q.on == p.on) {
+                    rows.push(row(name, p, true));
+                }
+            }
+        }
+    }
+    Ok(rows)
 }

@@ -125,6 +125,9 @@ pub(super) fn wait_in_line(
             drop(queued);
             counters.bump(Counter::WaitTimeouts, 1);
             counters.bump(Counter::Throttled, 1);
+            if gate.is_some_and(|g| g.refused()) {
+                counters.bump(Counter::RateLimited, 1);
+            }
             counters.bump(Counter::WaitTime, waited);
             return Ok(None);
         }

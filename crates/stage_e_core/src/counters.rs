@@ -9,9 +9,33 @@ use serde::Serialize;
 /// `m!([name: type, …] rest…)`; [`CounterValues`] and the SQL functions' result columns (`api`)
 /// are made from it. (SQL names them in `sql/`.) Times are counted in microseconds and shown
 /// as `interval`. Versions before 0.3.0 had the first [`COUNT_0_2_0`] only, 0.3.0 the first
-/// [`COUNT_0_3_0`].
+/// [`COUNT_0_3_0`], 0.4.0 to 0.9.0 the first [`COUNT_0_9_0`].
 #[macro_export]
 macro_rules! for_each_counter {
+    ($m:ident $(, $($rest:tt)*)?) => {
+        $m! {
+            [
+                acquired: i64,
+                throttled: i64,
+                released: i64,
+                foreign_releases: i64,
+                released_by_exit: i64,
+                waits: i64,
+                wait_timeouts: i64,
+                wait_time: Interval,
+                hold_time: Interval,
+                expired: i64,
+                rate_limited: i64
+            ]
+            $($($rest)*)?
+        }
+    };
+}
+
+/// The counters of 0.4.0's to 0.9.0's functions (all but `rate_limited`), which databases at
+/// those versions call until they update (`compat`).
+#[macro_export]
+macro_rules! for_each_counter_0_9_0 {
     ($m:ident $(, $($rest:tt)*)?) => {
         $m! {
             [
@@ -76,6 +100,9 @@ pub const COUNT_0_2_0: usize = 5;
 /// Counters of the 0.3.0 table and functions (0.4.0 added `expired`).
 pub const COUNT_0_3_0: usize = 9;
 
+/// Counters of the 0.4.0 to 0.9.0 tables and functions (0.10.0 added `rate_limited`).
+pub const COUNT_0_9_0: usize = 10;
+
 macro_rules! counters {
     ([$($name:ident: $ty:tt),*]) => {
         /// How many counters there are.
@@ -117,6 +144,7 @@ macro_rules! names_of {
 }
 for_each_counter_0_2_0!(names_of, NAMES_0_2_0);
 for_each_counter_0_3_0!(names_of, NAMES_0_3_0);
+for_each_counter_0_9_0!(names_of, NAMES_0_9_0);
 
 const fn same_str(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
@@ -151,6 +179,7 @@ const fn is_prefix(old: &[&str], len: usize) -> bool {
 // Earlier versions' lists are the first counters of today's, in the same order.
 const _: () = assert!(is_prefix(NAMES_0_2_0, COUNT_0_2_0));
 const _: () = assert!(is_prefix(NAMES_0_3_0, COUNT_0_3_0));
+const _: () = assert!(is_prefix(NAMES_0_9_0, COUNT_0_9_0));
 
 /// Makes [`Counter`] from its variants, with their names as strings for the check below.
 macro_rules! counter_enum {
@@ -185,6 +214,8 @@ counter_enum!(
     /// Microseconds.
     HoldTime,
     Expired,
+    /// Throttled by a cap's rate policy (counted in `Throttled` too).
+    RateLimited,
 );
 
 impl Counter {

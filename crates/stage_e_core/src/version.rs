@@ -26,7 +26,7 @@ pub enum SchemaVersion {
     /// Adaptive caps: `stage_e_adapt`, `stage_e_adapt_off`, `stage_e_cap_limits`; the policy and
     /// the learned limit in the counter rows (`adapt_*`).
     V0_9_0,
-    /// Rate limits: `stage_e_try_rate`.
+    /// Rate limits: `stage_e_try_rate`, `stage_e_rate_limit`, the `rate_limited` counter.
     V0_10_0,
 }
 
@@ -117,8 +117,8 @@ impl SchemaVersion {
             | SchemaVersion::V0_6_0
             | SchemaVersion::V0_7_0
             | SchemaVersion::V0_8_0
-            | SchemaVersion::V0_9_0
-            | SchemaVersion::V0_10_0 => crate::counters::COUNT,
+            | SchemaVersion::V0_9_0 => crate::counters::COUNT_0_9_0,
+            SchemaVersion::V0_10_0 => crate::counters::COUNT,
         }
     }
 }
@@ -142,18 +142,7 @@ mod unit {
         use SchemaVersion::*;
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.counter_columns()),
-            [
-                5,
-                5,
-                9,
-                crate::counters::COUNT,
-                crate::counters::COUNT,
-                crate::counters::COUNT,
-                crate::counters::COUNT,
-                crate::counters::COUNT,
-                crate::counters::COUNT,
-                crate::counters::COUNT
-            ]
+            [5, 5, 9, 10, 10, 10, 10, 10, 10, crate::counters::COUNT]
         );
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.has_named_caps()),
