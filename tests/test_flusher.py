@@ -342,7 +342,7 @@ def test_snapshot_is_a_monitoring_document(manual):
         assert d["totals"] == {"acquired": 1, "throttled": 7, "released": 0,
                                "foreign_releases": 0, "released_by_exit": 0, "waits": 0,
                                "wait_timeouts": 0, "wait_time": 0, "hold_time": 0,
-                               "expired": 0}
+                               "expired": 0, "rate_limited": 0}
         assert d["flushed"]["throttled"] == 5 and d["pending"]["throttled"] == 2
         assert d["flushed_at"] == one(c, "SELECT flushed_at::text FROM stage_e_throttle_counter")
         assert (d["key"], d["held"]) == (20260725, 1)
