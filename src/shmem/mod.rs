@@ -11,7 +11,7 @@
 //! - waiting: `dequeue`, `waiters_of`, [`WaiterInfo`];
 //! - leases: `caps_with_leases_due`, [`LeaseCheck`], [`LeaseInfo`], [`LeaseRefused`];
 //! - load averages: `sample_load`, `load_of`, [`Load`];
-//! - rate keys: `try_rate`, `peek_rate`, `note_rates_recovered`, [`NoRoom`]; rate policies:
+//! - rate keys: `try_rate`, `peek_rate`, `any_rate_policy`, `note_rates_recovered`, [`NoRoom`]; rate policies:
 //!   `rate_policy`, `rate_policies`, `rate_policy_room`, `reserve_rate_policies`,
 //!   `unreserve_rate_policies`, `set_rate_policy`, `clear_rate_policies`, [`RatePolicy`];
 //! - adaptive policies: `apply_policy`, `restore_policy`, `clear_policies`, `policy_room`,
@@ -91,8 +91,8 @@ pub use policies::{
     policy_room, reserve, restore_policy, unreserve, PolicyChange, PolicyView, ToWrite,
 };
 pub use rates::{
-    clear_rate_policies, note_recovered as note_rates_recovered, peek_rate, rate_policies,
-    rate_policy, rate_policy_room, reserve_rate_policies, set_rate_policy, try_rate,
+    any_rate_policy, clear_rate_policies, note_recovered as note_rates_recovered, peek_rate,
+    rate_policies, rate_policy, rate_policy_room, reserve_rate_policies, set_rate_policy, try_rate,
     unreserve_rate_policies, NoRoom, RatePolicy,
 };
 pub use records::MAX_DATABASES;

@@ -288,6 +288,12 @@ fn write(r: &RatePolicyRecord, db: u32, on: &str, count: u32, per_ns: u64, burst
     r.version.fetch_add(1, Ordering::Release);
 }
 
+/// Whether any database has a rate policy (the hot path's one question while none has).
+#[inline(always)]
+pub fn any_rate_policy() -> bool {
+    segment().is_some_and(|seg| seg.header.rates.policies.load(Ordering::Relaxed) != 0)
+}
+
 /// The rate policy of cap `name` of database `db`: its own, else the longest prefix that
 /// matches it. One load when no database has a rate policy (the hot path of every cap then).
 #[inline]

@@ -272,7 +272,7 @@ fn acquire(
     else {
         return Ok(None); // throttled, counted
     };
-    let gate = gate.as_ref();
+    let gate = gate.as_deref();
     // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
     // at the slots no waiter can use.
     if cap.waiters() == 0 {
@@ -290,7 +290,7 @@ struct Admitted {
     n: u32,
     k: u32,
     wait: Wait,
-    gate: Option<rates::Gate>,
+    gate: Option<Box<rates::Gate>>,
 }
 
 /// Admission: None when the call is throttled (counted) before any search.

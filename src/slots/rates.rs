@@ -255,19 +255,28 @@ pub struct Gate {
 }
 
 impl Gate {
-    /// The gate of cap `cap` of this database, if it has a rate policy (one load when no
-    /// database has any).
-    #[inline]
-    pub fn of(cap: &str) -> Option<Gate> {
+    /// The gate of cap `cap` of this database, if it has a rate policy: two loads and no call
+    /// when no database has any (the hot path of every cap then), and a pointer to carry.
+    #[inline(always)]
+    pub fn of(cap: &str) -> Option<Box<Gate>> {
+        if !shmem::any_rate_policy() {
+            return None;
+        }
+        Self::of_policy(cap)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn of_policy(cap: &str) -> Option<Box<Gate>> {
         let db = session::database();
         let policy = shmem::rate_policy(db, cap)?;
-        Some(Gate {
+        Some(Box::new(Gate {
             db,
             cap: cap.to_string(),
             rate: policy.rate(),
             last: std::cell::Cell::new(None),
             refused: std::cell::Cell::new(false),
-        })
+        }))
     }
 
     /// What a charge of `cost` would be told now, charging nothing.
