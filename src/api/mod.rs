@@ -113,6 +113,7 @@ macro_rules! counter_table_fn {
 mod adapt;
 mod held_back;
 mod leases;
+mod one_row;
 mod rates;
 pub(crate) mod slots;
 mod snapshot;

@@ -3,7 +3,7 @@
 //! restricted (EXECUTE revoked from PUBLIC, `sql/schema/privileges.sql`): a cap's rate binds
 //! every role that uses it.
 
-use super::CapArg;
+use super::{one_row, CapArg};
 use crate::errors::raise;
 use crate::hooks;
 use crate::names::Text;
@@ -24,7 +24,7 @@ fn stage_e_try_rate(
     per: Option<Interval>,
     burst: default!(Option<i32>, "1"),
     cost: default!(Option<i32>, "1"),
-) -> TableIterator<
+) -> one_row::TableIterator<
     'static,
     (
         name!(allowed, bool),
@@ -37,7 +37,7 @@ fn stage_e_try_rate(
     let d = slots::rates::try_rate(key.as_deref(), count, per.map(per_ns), burst, cost)
         .unwrap_or_else(|e| raise(e));
     let interval = |ns: u64| sql::interval_us(ns.div_ceil(1_000));
-    TableIterator::once((
+    one_row::TableIterator::once((
         d.allowed,
         d.remaining as i32,
         d.retry_after.map(interval),
