@@ -2,7 +2,8 @@
 # Installs what building, testing and demonstrating stage_e_slots needs, skipping what is there:
 # Debian packages (PostgreSQL 15 and its headers, clang for bindgen, sudo for pgrx's --runas,
 # pgbouncer for the pooler tests, gdb to pause a worker in one lease test, redis-server as the
-# Celery broker of tests/python/test_task_queues.py), cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major
+# Celery broker of tests/python/test_task_queues.py, faketime (libfaketime) to step a server's
+# wall clock in tests/test_rate_clock.py), cargo-pgrx 0.18.1, `cargo pgrx init` for the PostgreSQL major
 # in use, and a Python venv with psycopg, pytest, pytest-timeout, matplotlib, Django, django-q2, and
 # build, mypy, django-stubs and ruff for the Python package (python/). Where the
 # driver matrix runs (tests/test_drivers.py: PostgreSQL 15, or STAGE_E_DRIVER_TESTS=1), also the
@@ -25,7 +26,7 @@ PG15_CONFIG=/usr/lib/postgresql/15/bin/pg_config
 PG_CONFIG=${2:-$PG15_CONFIG}
 PGRX_VERSION=0.18.1
 PACKAGES=(postgresql-15 postgresql-server-dev-15 libclang-dev clang sudo python3-venv pgbouncer gdb
-          redis-server)
+          redis-server faketime)
 # The driver matrix runs on one major (the CI time budget): 15, unless STAGE_E_DRIVER_TESTS=1.
 DRIVERS=0
 if [ "$MAJOR" = 15 ] || [ "${STAGE_E_DRIVER_TESTS:-}" = 1 ]; then
