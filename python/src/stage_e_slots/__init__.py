@@ -82,6 +82,16 @@ and counts it when it may, in one step; a ``RateDecision`` is true when allowed:
 The database unreachable, or refusing the call (no room for another key), is not allowed
 (logged, both times None): fail closed. Bad arguments raise.
 
+A rate on a cap's slots: ``rate=Rate(10, 1, burst=5)`` on ``stage_e_slot``, ``stage_e_lease``
+or ``capped`` makes it the cap's policy in the database (``stage_e_rate_limit``, set once per
+process when it differs; the last writer wins), and the server then grants a slot only when
+one is free and the rate allows it, in one step; see ``stage_e_slot``'s docstring::
+
+    with stage_e_slot(DSN, "api", n=4, rate=Rate(10, 1, burst=5)) as slot:
+        if slot is None:
+            return "throttled"       # no slot free, or the rate allowed none just then
+        call_the_api()
+
 The same for asyncio (one connection per event loop) is ``stage_e_slots.aio``; a decorator,
 ``stage_e_slots.capped``.
 """
@@ -89,7 +99,7 @@ The same for asyncio (one connection per event loop) is ``stage_e_slots.aio``; a
 from __future__ import annotations
 
 from ._capped import Throttled, capped
-from ._common import DEFAULT_CAP, LeaseLost, RateDecision
+from ._common import DEFAULT_CAP, LeaseLost, Rate, RateDecision, RatePolicyError
 from ._leases import Lease, stage_e_lease
 from ._slots import SlotConnection, connection_for, stage_e_slot, try_rate
 
@@ -99,7 +109,9 @@ __all__ = [
     "DEFAULT_CAP",
     "Lease",
     "LeaseLost",
+    "Rate",
     "RateDecision",
+    "RatePolicyError",
     "SlotConnection",
     "Throttled",
     "__version__",

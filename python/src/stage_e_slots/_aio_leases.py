@@ -34,11 +34,13 @@ from ._common import (
     _RELEASE_LEASE,
     _RENEW,
     LeaseLost,
+    Rate,
     Ttl,
     Wait,
     _as_timedelta,
     _as_ttl,
     _check_cap,
+    _check_rate,
     _is_a,
     _lease_failed,
     _Unreachable,
@@ -102,6 +104,9 @@ class _AsyncDsnStatements:
 
     def ended(self, token: int) -> None:
         self.tokens.discard(token)
+
+    async def ensure_rate(self, cap: str, rate: Rate) -> bool:
+        return await self._line.ensure_rate(cap, rate)
 
     async def close(self) -> None:
         self._line.drop()
@@ -266,10 +271,12 @@ def _lease_statements(dsn: str) -> _AsyncDsnStatements:
 
 
 async def _take_lease(
-        statements: _Statements, cap: str, n: int, ttl: Ttl, wait: Wait,
+        statements: _Statements, cap: str, n: int, ttl: Ttl, wait: Wait, rate: Rate | None,
 ) -> AsyncLease | None:
     _check_cap(cap)
     delay, waiting = _as_ttl(ttl), _as_timedelta(wait)
+    if rate is not None and not await statements.ensure_rate(cap, rate):
+        return None
     sent = time.monotonic()
     try:
         row = await statements.take(cap, n, delay, waiting)
@@ -283,7 +290,8 @@ async def _take_lease(
 
 @asynccontextmanager
 async def stage_e_lease(
-        dsn_or_async_connection: Any, cap: str, n: int, ttl: Ttl, wait: Wait = 0,
+        dsn_or_async_connection: Any, cap: str, n: int, ttl: Ttl, wait: Wait = 0, *,
+        rate: Rate | None = None,
 ) -> AsyncIterator[AsyncLease | None]:
     """``async with stage_e_lease(dsn_or_async_connection, "exports", 4, ttl=60) as lease:``
     holds one of the 4 slots of cap ``exports`` by a token (``lease.slot``, ``lease.token``)
@@ -319,12 +327,24 @@ async def stage_e_lease(
       database unreachable) is logged; the slot then comes back when the ttl passes. With a DSN,
       a release whose connection broke is checked and, if need be, run again on a fresh one.
       The release runs to its end even when the task is being cancelled (aio).
+    - ``rate=Rate(10, 1)`` makes that rate the cap's policy first, as with ``stage_e_slot``
+      (read its docstring): with a DSN only, on the lease connection (each statement a
+      transaction of its own). A connection of yours may be inside your transaction, where
+      a policy must not be set: there ``rate=`` raises ``TypeError``.
     """
+    _check_rate(cap, rate)
     if isinstance(dsn_or_async_connection, str):
         statements: _Statements = _lease_statements(dsn_or_async_connection)
+    elif rate is not None:
+        raise TypeError(
+            "stage_e_lease(rate=...) needs a DSN, not a connection of yours: the cap's rate "
+            "policy is set in a transaction of its own, which your connection (perhaps inside "
+            "a transaction of yours) cannot give. Pass the DSN, or set the policy once with "
+            "SELECT stage_e_rate_limit(cap, count, per, burst) and call without rate= (the "
+            "server enforces it on every acquisition of the cap)")
     else:
         statements = _AsyncConnectionStatements(dsn_or_async_connection)
-    lease = await _take_lease(statements, cap, n, ttl, wait)
+    lease = await _take_lease(statements, cap, n, ttl, wait, rate)
     if lease is None:
         yield None
         return

@@ -22,12 +22,14 @@ from ._common import (
     _TRY_RATE,
     DEFAULT_CAP,
     Per,
+    Rate,
     RateDecision,
     Wait,
     _as_per,
     _as_timedelta,
     _check_cap,
     _check_key,
+    _check_rate,
     _rate_failed,
     _slot_query,
     _Unreachable,
@@ -220,15 +222,27 @@ class AsyncSlotConnection:
     @asynccontextmanager
     async def slot(
             self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0, k: int = 1,
+            rate: Rate | None = None,
     ) -> AsyncIterator[Any]:
         """Yields a held slot of `cap` (with k > 1, a list of k slots), released on exit
-        whatever happens, or None when throttled; waits up to `wait` for it."""
+        whatever happens, or None when throttled; waits up to `wait` for it. With `rate`, the
+        cap's rate policy is made that rate first (see ``stage_e_slot``)."""
+        if rate is not None and not await self._rated(cap, rate):
+            yield None
+            return
         slots, generation = await self._take(n, k, cap, wait)
         try:
             yield None if slots is None else (slots[0] if k == 1 else slots)
         finally:
             if slots:
                 await _shielded(self._release_all, slots, cap, generation)
+
+    async def _rated(self, cap: str, rate: Rate) -> bool:
+        """Whether `cap`'s rate policy is `rate`, made so if need be (once per process for
+        this DSN); False (logged) when that could not be told: throttled."""
+        _check_cap(cap)
+        _check_rate(cap, rate)
+        return await self._line.ensure_rate(cap, rate)
 
     async def _release_all(self, slots: list[int], cap: str, generation: int) -> None:
         for slot in slots:
@@ -261,10 +275,25 @@ async def try_rate(
 @asynccontextmanager
 async def stage_e_slot(
         dsn: str, cap: str = DEFAULT_CAP, *, n: int, wait: Wait = 0, k: int = 1,
+        rate: Rate | None = None,
 ) -> AsyncIterator[Any]:
     """``async with stage_e_slot(dsn, "exports", n=4) as slot:`` on the dedicated connection of
     ``connection_for(dsn)``; ``stage_e_slot(dsn, n=8)`` is the cap ``default``. ``wait=``
     (seconds or a timedelta) waits that long for a slot; ``k=3`` takes three at once (a
-    list)."""
-    async with connection_for(dsn).slot(n, cap=cap, wait=wait, k=k) as slot:
+    list).
+
+    ``rate=Rate(10, 1, burst=5)`` makes that rate the cap's policy in the database (the
+    extension at 0.10.0): from then on the server grants each acquisition of the cap, this
+    process's and every other client's, only when a slot is free and the rate allows it,
+    both in one step (docs/rates.md). On the first region with that rate for the cap and DSN
+    in this process, the policy is read (``stage_e_rate_limits``) and, when it is absent or
+    differs, set with ``stage_e_rate_limit`` in a transaction of its own, with a WARNING when
+    it replaces a different one: the last writer wins, so give one cap one rate. Later regions
+    send no statement more. Setting it needs EXECUTE on ``stage_e_rate_limit`` (revoked from
+    PUBLIC); a role without it works when the policy is already the rate, and otherwise gets
+    ``RatePolicyError`` (so does a database whose extension is older than 0.10.0), before
+    anything is taken. The database unreachable is throttled (None), as always. A policy
+    changed later (by an operator, another process) stands: this process does not look
+    again until it restarts. ``rate=None`` sends nothing."""
+    async with connection_for(dsn).slot(n, cap=cap, wait=wait, k=k, rate=rate) as slot:
         yield slot

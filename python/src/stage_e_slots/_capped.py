@@ -2,7 +2,7 @@
 
 ::
 
-    from stage_e_slots import Throttled, capped
+    from stage_e_slots import Rate, Throttled, capped
 
     @capped("exports", 4)                 # at most 4 calls at once, across every process
     def export(job_id: int) -> str:
@@ -12,6 +12,10 @@
     async def complete(prompt: str) -> str | None:
         ...
 
+    @capped("api", 4, rate=Rate(10, 1, burst=5))  # and at most 10 a second, bursts of 5
+    def call_api(path: str) -> bytes:
+        ...
+
 Each call takes one slot of the cap on this thread's dedicated connection (a coroutine
 function: on its event loop's, through ``stage_e_slots.aio``), runs the function, and gives the
 slot back, whatever the function does. With ``lease_ttl`` the call holds a lease of that ttl
@@ -19,6 +23,13 @@ instead of a session slot (for work whose process may not keep one session for i
 function then runs unguarded past the ttl, so pick one longer than the work. A throttled call
 (no slot free within ``wait``, or the database unreachable: fail closed, logged) calls
 ``on_throttle(*args, **kwargs)`` and returns what it returns, or raises ``Throttled``.
+
+With ``rate`` (a ``Rate``), the rate is the cap's policy in the database, which the server
+enforces with the slot (a call gets one only when one is free and the rate allows it): the
+first call in a process makes sure of it (``stage_e_slot``'s docstring says how; the last
+writer wins, so give one cap one rate), and a throttled call may be one the rate held back.
+A role that may not set the policy, when it differs, gets ``RatePolicyError`` and the function
+does not run.
 
 The database is looked up at each call, not when the function is decorated (settings are often
 not loaded yet at import time): ``dsn=``, else the environment variable ``STAGE_E_SLOTS_DSN``,
@@ -34,7 +45,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
 
-from ._common import Ttl, Wait, _as_timedelta, _as_ttl, _check_cap
+from ._common import Rate, Ttl, Wait, _as_timedelta, _as_ttl, _check_cap, _check_rate
 from ._leases import stage_e_lease
 from ._slots import stage_e_slot
 
@@ -70,18 +81,22 @@ DSN_ENV = "STAGE_E_SLOTS_DSN"
 
 
 class Throttled(Exception):
-    """A ``@capped`` call found no free slot of its cap (within its ``wait``), or could not
-    reach the database (which counts as throttled: fail closed)."""
+    """A ``@capped`` call found no free slot of its cap (within its ``wait``), or its cap's
+    rate allowed none, or it could not reach the database (which counts as throttled: fail
+    closed). ``rate`` is the decorator's ``rate=``."""
 
-    def __init__(self, cap: str, n: int) -> None:
-        self.cap, self.n = cap, n
-        super().__init__(f"throttled by cap {cap!r}: all {n} slots were taken (or the database "
-                         "could not be reached, see the log); retry later, or give @capped a "
-                         "wait= or an on_throttle=")
+    def __init__(self, cap: str, n: int, rate: Rate | None = None) -> None:
+        self.cap, self.n, self.rate = cap, n, rate
+        taken = f"all {n} slots were taken"
+        if rate is not None:
+            taken += f" or its rate ({rate}) allowed no call just then"
+        super().__init__(f"throttled by cap {cap!r}: {taken} (or the database could not be "
+                         "reached, see the log); retry later, or give @capped a wait= or an "
+                         "on_throttle=")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Task queues (Celery, multiprocessing) pickle exceptions back to the caller.
-        return (type(self), (self.cap, self.n))
+        return (type(self), (self.cap, self.n, self.rate))
 
 
 def _django_dsn() -> str | None:
@@ -127,26 +142,29 @@ def resolve_dsn(dsn: str | None = None) -> str:
 
 @overload
 def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None,
-           lease_ttl: Ttl | None = None, on_throttle: None = None) -> _Capping: ...
+           lease_ttl: Ttl | None = None, rate: Rate | None = None,
+           on_throttle: None = None) -> _Capping: ...
 
 
 @overload
 def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None,
-           lease_ttl: Ttl | None = None,
+           lease_ttl: Ttl | None = None, rate: Rate | None = None,
            on_throttle: Callable[..., Coroutine[Any, Any, T]]) -> _CappingOr[T]: ...
 
 
 @overload
 def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None,
-           lease_ttl: Ttl | None = None, on_throttle: Callable[..., T]) -> _CappingOr[T]: ...
+           lease_ttl: Ttl | None = None, rate: Rate | None = None,
+           on_throttle: Callable[..., T]) -> _CappingOr[T]: ...
 
 
 def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None,
-           lease_ttl: Ttl | None = None,
+           lease_ttl: Ttl | None = None, rate: Rate | None = None,
            on_throttle: Callable[..., Any] | None = None) -> Any:
     """Decorates a function or a coroutine function so that each call runs holding one of the
     ``n`` slots of ``cap`` (see the module docstring). ``wait`` (seconds or a timedelta) waits
     that long for a slot; ``lease_ttl`` holds a lease of that ttl instead of a session slot;
+    ``rate`` (a ``Rate``) makes that rate the cap's policy, enforced with the slot;
     ``on_throttle`` is called with the call's arguments when throttled, and its result
     returned (for a coroutine function it may be a coroutine function too), else ``Throttled``
     is raised. Bad arguments raise here, at decoration."""
@@ -155,12 +173,13 @@ def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None
         raise ValueError(f"n must be a positive int (the cap's number of slots), not {n!r}")
     waiting = _as_timedelta(wait if wait is not None else 0)
     ttl = None if lease_ttl is None else _as_ttl(lease_ttl)
+    _check_rate(cap, rate)
     if on_throttle is not None and not callable(on_throttle):
         raise TypeError(f"on_throttle must be callable, not {type(on_throttle).__name__}")
 
     def throttled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if on_throttle is None:
-            raise Throttled(cap, n)
+            raise Throttled(cap, n, rate)
         return on_throttle(*args, **kwargs)
 
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,11 +199,11 @@ def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 target = resolve_dsn(dsn)
                 if ttl is None:
-                    async with aio_slot(target, cap, n=n, wait=waiting) as slot:
+                    async with aio_slot(target, cap, n=n, wait=waiting, rate=rate) as slot:
                         if slot is not None:
                             return await func(*args, **kwargs)
                 else:
-                    async with aio_lease(target, cap, n, ttl, waiting) as lease:
+                    async with aio_lease(target, cap, n, ttl, waiting, rate=rate) as lease:
                         if lease is not None:
                             return await func(*args, **kwargs)
                 result = throttled(args, kwargs)
@@ -195,11 +214,11 @@ def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None
         def run(*args: Any, **kwargs: Any) -> Any:
             target = resolve_dsn(dsn)
             if ttl is None:
-                with stage_e_slot(target, cap, n=n, wait=waiting) as slot:
+                with stage_e_slot(target, cap, n=n, wait=waiting, rate=rate) as slot:
                     if slot is not None:
                         return func(*args, **kwargs)
             else:
-                with stage_e_lease(target, cap, n, ttl, waiting) as lease:
+                with stage_e_lease(target, cap, n, ttl, waiting, rate=rate) as lease:
                     if lease is not None:
                         return func(*args, **kwargs)
             return throttled(args, kwargs)

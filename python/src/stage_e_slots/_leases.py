@@ -21,11 +21,13 @@ from ._common import (
     _RELEASE_LEASE,
     _RENEW,
     LeaseLost,
+    Rate,
     Ttl,
     Wait,
     _as_timedelta,
     _as_ttl,
     _check_cap,
+    _check_rate,
     _is_a,
     _lease_failed,
     _Unreachable,
@@ -100,6 +102,9 @@ class _DsnStatements:
 
     def ended(self, token: int) -> None:
         self.tokens.discard(token)
+
+    def ensure_rate(self, cap: str, rate: Rate) -> bool:
+        return self._line.ensure_rate(cap, rate)
 
     def close(self) -> None:
         self._line.drop()
@@ -264,10 +269,12 @@ def _lease_statements(dsn: str) -> _DsnStatements:
 
 
 def _take_lease(
-        statements: _Statements, cap: str, n: int, ttl: Ttl, wait: Wait,
+        statements: _Statements, cap: str, n: int, ttl: Ttl, wait: Wait, rate: Rate | None,
 ) -> Lease | None:
     _check_cap(cap)
     delay, waiting = _as_ttl(ttl), _as_timedelta(wait)
+    if rate is not None and not statements.ensure_rate(cap, rate):
+        return None
     sent = time.monotonic()
     try:
         row = statements.take(cap, n, delay, waiting)
@@ -281,7 +288,8 @@ def _take_lease(
 
 @contextmanager
 def stage_e_lease(
-        dsn_or_connection: Any, cap: str, n: int, ttl: Ttl, wait: Wait = 0,
+        dsn_or_connection: Any, cap: str, n: int, ttl: Ttl, wait: Wait = 0, *,
+        rate: Rate | None = None,
 ) -> Iterator[Lease | None]:
     """``with stage_e_lease(dsn_or_connection, "exports", 4, ttl=60) as lease:``
     holds one of the 4 slots of cap ``exports`` by a token (``lease.slot``, ``lease.token``)
@@ -317,12 +325,24 @@ def stage_e_lease(
       database unreachable) is logged; the slot then comes back when the ttl passes. With a DSN,
       a release whose connection broke is checked and, if need be, run again on a fresh one.
       The release runs to its end even when the task is being cancelled (aio).
+    - ``rate=Rate(10, 1)`` makes that rate the cap's policy first, as with ``stage_e_slot``
+      (read its docstring): with a DSN only, on the lease connection (each statement a
+      transaction of its own). A connection of yours may be inside your transaction, where
+      a policy must not be set: there ``rate=`` raises ``TypeError``.
     """
+    _check_rate(cap, rate)
     if isinstance(dsn_or_connection, str):
         statements: _Statements = _lease_statements(dsn_or_connection)
+    elif rate is not None:
+        raise TypeError(
+            "stage_e_lease(rate=...) needs a DSN, not a connection of yours: the cap's rate "
+            "policy is set in a transaction of its own, which your connection (perhaps inside "
+            "a transaction of yours) cannot give. Pass the DSN, or set the policy once with "
+            "SELECT stage_e_rate_limit(cap, count, per, burst) and call without rate= (the "
+            "server enforces it on every acquisition of the cap)")
     else:
         statements = _ConnectionStatements(dsn_or_connection)
-    lease = _take_lease(statements, cap, n, ttl, wait)
+    lease = _take_lease(statements, cap, n, ttl, wait, rate)
     if lease is None:
         yield None
         return

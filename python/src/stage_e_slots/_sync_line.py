@@ -23,7 +23,17 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.rows import tuple_row
 
-from ._common import _LEASE, _Unreachable
+from ._common import (
+    _ENSURED,
+    _LEASE,
+    _RATE_OF,
+    _SET_RATE,
+    Rate,
+    _rate_not_set,
+    _rate_to_set,
+    _rate_was_set,
+    _Unreachable,
+)
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -145,6 +155,28 @@ class _Line:
                     self.drop()
                     raise _Unreachable(str(e)) from e
                 raise
+
+    def ensure_rate(self, cap: str, rate: Rate) -> bool:
+        """Makes ``rate`` the rate policy of ``cap``, once per process for this DSN
+        (``_ENSURED``): reads the policy, and when it is absent or differs sets it (a WARNING
+        when it replaces another), each statement a transaction of its own on this autocommit
+        connection, never the caller's. True when the policy is ``rate``; False (logged) when
+        the database cannot be reached or refused the statement, which makes the call
+        throttled. Raises RatePolicyError when this role may not set it, or the extension is
+        older than 0.10.0."""
+        key = (self.dsn, cap, rate)
+        if key in _ENSURED:
+            return True
+        row = None
+        try:
+            row = self.one(_RATE_OF, (cap,), connect=True)
+            if _rate_to_set(rate, row):
+                self.one(_SET_RATE, (cap, rate.count, rate.per, rate.burst), connect=True)
+                _rate_was_set(cap, rate, row)
+        except (_Unreachable, psycopg.Error) as e:
+            return _rate_not_set(cap, rate, row, e)
+        _ENSURED.add(key)
+        return True
 
     def note_release(self) -> None:
         """A release ran on this connection (the asyncio line wakes a waiting call with it; a

@@ -26,6 +26,9 @@ Rate limits (the extension at 0.10.0)::
     if not decision:
         await asyncio.sleep(decision.retry_after.total_seconds() if decision.retry_after else 1)
 
+    async with stage_e_slot(DSN, "api", n=4, rate=Rate(10, 1, burst=5)) as slot:   # a cap's
+        ...                                                   # rate, enforced with its slots
+
 Everything is as in the sync API (``stage_e_slots.stage_e_slot``, ``stage_e_lease``; read
 their docstrings), with an event loop where the sync API has a thread: the slot regions of one
 running loop hold their slots on that loop's one dedicated autocommit connection
@@ -83,7 +86,7 @@ from __future__ import annotations
 from ._aio_leases import AsyncLease, stage_e_lease
 from ._aio_line import _sweep  # noqa: F401 - the tests sweep ended loops
 from ._aio_slots import AsyncSlotConnection, connection_for, stage_e_slot, try_rate
-from ._common import DEFAULT_CAP, LeaseLost, RateDecision
+from ._common import DEFAULT_CAP, LeaseLost, Rate, RateDecision, RatePolicyError
 
 # The code of this module is in _aio_slots.py and _aio_leases.py, the one source of the sync
 # API too (scripts/generate_sync.py), and in _aio_line.py, the connection shared by a loop's tasks.
@@ -93,7 +96,9 @@ __all__ = [
     "AsyncLease",
     "AsyncSlotConnection",
     "LeaseLost",
+    "Rate",
     "RateDecision",
+    "RatePolicyError",
     "connection_for",
     "stage_e_lease",
     "stage_e_slot",

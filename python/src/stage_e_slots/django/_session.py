@@ -25,7 +25,7 @@ from django.db import DatabaseError as DjangoDatabaseError
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from .._common import Wait, log
+from .._common import Rate, Wait, log
 from .._slots import SlotConnection
 from .._slots import stage_e_slot as _dedicated_slot
 from .._sync_line import Conn, _Line
@@ -67,6 +67,16 @@ class _DjangoLine(_Line):
                 f"{type(raw).__name__}; install psycopg 3 (Django then prefers it) or "
                 "unset the setting to use a dedicated connection")
         return raw
+
+    def ensure_rate(self, cap: str, rate: Rate) -> bool:
+        # Django's connection may be inside the caller's transaction, where a policy must not
+        # be set (a rollback would undo it, and it would apply only at that commit).
+        raise TypeError(
+            f"SessionSlotConnection.slot(rate=...) on cap {cap!r}: a rate is set as the cap's "
+            "policy in a transaction of its own, which Django's connection (perhaps inside "
+            "your transaction) cannot give. Use stage_e_slots.stage_e_slot(dsn, ..., rate=...) "
+            "on a dedicated connection, or set the policy once with SELECT "
+            "stage_e_rate_limit(cap, count, per, burst) and take the slot without rate=")
 
     def _close(self, conn: Conn) -> None:
         # Django owns the connection. Close it (through Django, so that Django opens a fresh
