@@ -22,8 +22,8 @@
 
 use crate::report::{error, raise_internal};
 use pgrx::callconv::{BoxRet, RetAbi};
-use pgrx::pg_sys;
 use pgrx::prelude::*;
+use pgrx::{pg_sys, PgTupleDesc};
 use std::marker::PhantomData;
 
 /// One row `Row` (a tuple of four columns) of a set-returning function.
@@ -139,17 +139,18 @@ unsafe fn materialize(
 /// # Safety
 /// `desc` is NULL or a live descriptor.
 unsafe fn fits(desc: pg_sys::TupleDesc, types: &[pg_sys::Oid]) -> bool {
-    // SAFETY: per the contract; `natts` attributes follow the header.
-    unsafe {
-        !desc.is_null()
-            && (*desc).natts as usize == types.len()
-            && (*desc)
-                .attrs
-                .as_slice(types.len())
-                .iter()
-                .zip(types)
-                .all(|(attr, &ty)| attr.atttypid == ty && !attr.attisdropped)
+    if desc.is_null() {
+        return false;
     }
+    // SAFETY: per the contract, a live descriptor; borrowed, never freed by the wrapper
+    // (which reads its attributes the way the major lays them out: 18 puts them after its
+    // compact ones).
+    let desc = unsafe { PgTupleDesc::from_pg_unchecked(desc) };
+    desc.len() == types.len()
+        && types.iter().enumerate().all(|(i, &ty)| {
+            desc.get(i)
+                .is_some_and(|attr| attr.atttypid == ty && !attr.attisdropped)
+        })
 }
 
 /// A descriptor of columns `types`, in the current memory context (a caller that gave none).
