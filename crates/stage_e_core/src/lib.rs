@@ -35,6 +35,7 @@ pub mod counters;
 pub mod adapt;
 pub mod arena;
 pub mod directory;
+pub mod fair;
 pub mod flush;
 pub mod front;
 pub mod histogram;
