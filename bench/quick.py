@@ -14,7 +14,9 @@ and the launcher commits the lease horizons a lease needs):
   advisory-lock pair;
 - throttled tries on caps whose every slot another backend holds: n = 8, 1,024 and 16,384;
   one named cap of 1,000 live caps, and a random one of them (`'tenant:' || c`);
-- the floor of any call with a parameter, `abs(i)`, in the same loop.
+- the floor of any call with a parameter, `abs(i)`, in the same loop;
+- as statements only: `stage_e_try_rate` (issue 37) and PostgreSQL's own function with OUT
+  parameters in FROM (`pg_walfile_name_offset`), the floor of any `RETURNS TABLE` call.
 
 Two kinds of verdict:
 
@@ -22,7 +24,7 @@ Two kinds of verdict:
   `bench/results/quick-baseline-pg<major>.json`; more than 3% above it fails. `--update`
   rewrites the baseline from this run (after a change that is meant to cost more, say why in
   the commit);
-- **targets** (issue 36's, as instruction ratios: a ratio of instructions per call is the
+- **targets** (issue 36's and issue 37's, as instruction ratios: a ratio of instructions per call is the
   inverse of a ratio of calls per second when a call's cost is its instructions): printed
   PASS or FAIL beside the wall-clock figures of `make bench`, not a failure of this command;
   their table goes to `bench/results/quick-pg<major>.md` too, which bench/readme.py copies
@@ -141,10 +143,18 @@ STATEMENTS: dict[str, list[Stmt]] = {
     "throttled, random cap of 1,000": [("SELECT stage_e_try_slot('tenant:' || %s, %s::int)",
                                         lambda i, p: (1 + i * 7919 % CAPS, 8))],
     "floor: abs($1)": [("SELECT abs(%s::int)", lambda i, p: (i,))],
+    # Issue 37: a rate limit on its own, on one of 1,000 keys it always allows, against the
+    # floor above and PostgreSQL's own function with OUT parameters in FROM (what any
+    # RETURNS TABLE function pays there: the row type rebuilt from pg_proc at executor start).
+    "stage_e_try_rate": [("SELECT allowed FROM stage_e_try_rate(%s, 1000000, '1 s', 1000000)",
+                          lambda i, p: (str(i % 1000),))],
+    "floor: OUT parameters in FROM": [
+        ("SELECT file_offset FROM pg_walfile_name_offset(%s::pg_lsn)",
+         lambda i, p: (f"0/{i:X}",))],
 }
 STMT_SMALL, STMT_LARGE = 500, 1_500
 
-# Issue 36's targets as instruction ratios: (label, group, contender, against, at most).
+# Issues 36 and 37's targets as instruction ratios: (label, group, contender, against, at most).
 TARGETS = [
     ("named pair vs default pair (>= 0.95x)", "statements", "named pair", "default pair",
      1 / 0.95),
@@ -154,6 +164,8 @@ TARGETS = [
      "floor: abs($1)", 1 / 0.95),
     ("in-server pair vs the SQL advisory pair (<= 1.2x)", "loops", "default pair",
      "SQL advisory pair", 1.2),
+    ("issue 37: stage_e_try_rate vs SELECT abs($1) (>= 0.95x)", "statements",
+     "stage_e_try_rate", "floor: abs($1)", 1 / 0.95),
 ]
 
 
@@ -324,8 +336,8 @@ def main(argv: list[str]) -> int:
     # The targets' table, which bench/readme.py copies into the README.
     targets = lines[lines.index("") + 1:]
     (RESULTS / f"quick-pg{major(r['server'])}.md").write_text(
-        f"stage_e_slots {r['version']} on PostgreSQL {r['server']}, commit {commit}: issue 36's "
-        "targets as ratios of instructions per call (`make bench-quick`, callgrind).\n\n"
+        f"stage_e_slots {r['version']} on PostgreSQL {r['server']}, commit {commit}: issues 36 "
+        "and 37's targets as ratios of instructions per call (`make bench-quick`, callgrind).\n\n"
         + "\n".join(targets) + "\n")
     if update:
         path.write_text(json.dumps(r, indent=2) + "\n")
