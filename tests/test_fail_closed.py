@@ -137,7 +137,7 @@ def assert_not_preloaded_error(c, call, function=None):
 @pytest.mark.parametrize("view", [
     "stage_e_slot_holders", "stage_e_throttle_totals", "stage_e_slot_waiters",
     "stage_e_cap_load", "stage_e_histogram_quantiles", "stage_e_cap_limits",
-    "stage_e_held_back",
+    "stage_e_held_back", "stage_e_rate_limits",
 ])
 def test_not_preloaded_every_view_errors_with_a_hint(not_preloaded, view):
     with not_preloaded.connect() as c:
@@ -232,6 +232,7 @@ def test_hot_standby_refuses_slots_and_reports_what_is_true_there():
             assert s.execute("SELECT * FROM stage_e_slot_holders").fetchall() == []
             assert s.execute("SELECT * FROM stage_e_pending()").fetchall() == []
             assert s.execute("SELECT * FROM stage_e_cap_limits").fetchall() == []
+            assert s.execute("SELECT * FROM stage_e_rate_limits").fetchall() == []
             # The flush launcher waits for promotion instead of writing or crash-looping.
             launcher = ("SELECT count(*) FROM pg_stat_activity "
                         "WHERE backend_type = 'stage_e_slots launcher'")

@@ -159,6 +159,7 @@ VIEW_READS = [
     "SELECT * FROM public.stage_e_histogram_quantiles",
     "SELECT * FROM public.stage_e_cap_limits",
     "SELECT * FROM public.stage_e_held_back",
+    "SELECT * FROM public.stage_e_rate_limits",
 ]
 
 

@@ -232,6 +232,30 @@ def test_the_view_shows_each_policy_and_each_cap_under_a_prefix(pc):
         assert per.total_seconds() == 60
 
 
+def test_a_restored_dump_keeps_its_policies_in_the_view_and_on_the_caps(pc):
+    """pg_dump | psql into a fresh database: the counter rows carry the policies, and the
+    view shows them as the database's first statement (before any acquisition loads it: it
+    showed none until then), and the caps are held to them. (Before the crash test below: a
+    database first loaded after a crash starts its rate-limited caps spent.)"""
+    src, dst = pc.create_database("ratepol_src"), pc.create_database("ratepol_dst",
+                                                                   extension=False)
+    with pc.connect(src, "admin") as a:
+        limit(a, "dumped", 1, "1 h", 1)
+        limit(a, "dumped:*", 1, "1 h", 1)
+    conn = f"-h {pc.base} -p {pc.port} -U postgres"
+    out = pc._run("bash", "-o", "pipefail", "-c",
+                  f"{pc.bin}/pg_dump {conn} {src} | "
+                  f"{pc.bin}/psql -X -q {conn} -1 -v ON_ERROR_STOP=1 -d {dst}", check=False)
+    assert out.returncode == 0, out.stderr
+    with pc.connect(dst, "w") as w:
+        assert w.execute("SELECT cap, count, burst FROM stage_e_rate_limits ORDER BY cap"
+                         ).fetchall() == [("dumped", 1, 1), ("dumped:*", 1, 1)]
+        for cap in ("dumped", "dumped:1"):
+            assert take(w, cap, 4) == 0
+            assert take(w, cap, 4) is None, cap
+            assert [s for s, _ in cap_locks(w, cap)] == [0]
+
+
 def test_policies_survive_a_clean_restart_and_a_crash(pc, admin):
     """1 an hour on 'kept' and on every 'kept:...' cap, each spent once: after a clean restart
     (the keys kept exactly) and after a crash (every key starts spent) both are still refused,
@@ -252,4 +276,5 @@ def test_policies_survive_a_clean_restart_and_a_crash(pc, admin):
             assert take(w, "kept:1", 4) is None, stop
             assert take(w, "kept:2", 4) is None if stop == "crash" else take(w, "kept:3", 4) == 0
             release(w, "free", take(w, "free", 4))
+
 

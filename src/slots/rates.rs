@@ -350,9 +350,14 @@ pub struct RateLimitRow {
 }
 
 /// The rows of `stage_e_rate_limits` for this database: each policy, and under a prefix
-/// policy each live cap it limits. Reading needs the shared state only.
+/// policy each live cap it limits. Reading needs the shared state only, once the database's
+/// rows are loaded into it (after a restart or a restore, before any acquisition, the view
+/// would otherwise show none of the policies its rows keep); a standby shows none.
 pub fn rate_limits() -> Result<Vec<RateLimitRow>, SlotError> {
     super::attached()?;
+    if !session::in_recovery() {
+        super::admission::ensure_loaded()?;
+    }
     let db = session::database();
     let now = session::now();
     let policies = shmem::rate_policies(db);
