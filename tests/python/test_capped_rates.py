@@ -230,6 +230,36 @@ def test_sync_slot_and_lease_take_a_rate(dsn, admin, cluster, db):
         pass
 
 
+def test_try_slot_and_try_slots_of_a_connection_take_a_rate(dsn, admin):
+    """SlotConnection.try_slot / try_slots (sync and asyncio) with rate=: the policy set on
+    the first call, then refusals by the rate with slots free; k slots charge k."""
+    conn = stage_e_slots.connection_for(dsn)
+    first = conn.try_slot(4, cap="try-rated", rate=Rate(1, 60))
+    assert (first, conn.try_slot(4, cap="try-rated", rate=Rate(1, 60))) == (0, None)
+    assert policy(admin, "try-rated") == (1, timedelta(minutes=1), 1)
+    assert conn.release(first, cap="try-rated") is True
+    three = conn.try_slots(8, 3, cap="try-k", rate=Rate(3, 60, burst=3))
+    assert three == [0, 1, 2] and len(cap_locks(admin, "try-k")) == 3
+    assert conn.try_slots(8, 1, cap="try-k", rate=Rate(3, 60, burst=3)) is None, "3 charged"
+    for slot in three:
+        assert conn.release(slot, cap="try-k") is True
+    assert stats(admin, "try-k")["rate_limited"] == 1
+
+    async def main():
+        aconn = aio.connection_for(dsn)
+        got = [await aconn.try_slot(4, cap="aio-try", rate=Rate(1, 60)) for _ in range(2)]
+        more = await aconn.try_slots(4, 1, cap="aio-try", rate=Rate(1, 60))
+        await aconn.release(got[0], cap="aio-try")
+        return got, more
+
+    try:
+        got, more = asyncio.run(main())
+    finally:
+        aio._sweep()
+    assert got == [0, None] and more is None
+    assert policy(admin, "aio-try") == (1, timedelta(minutes=1), 1)
+
+
 def test_an_extension_older_than_0_10_0_says_to_update_it(cluster):
     name = cluster.create_database("t_capped_rate_old", extension=False)
     cluster.sql("CREATE EXTENSION stage_e_slots VERSION '0.9.0'", dbname=name)

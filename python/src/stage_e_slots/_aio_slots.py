@@ -63,17 +63,26 @@ class AsyncSlotConnection:
         async with self._line.turn(connect=True) as turn:
             return turn.connection
 
-    async def try_slot(self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0) -> int | None:
+    async def try_slot(
+            self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0, rate: Rate | None = None,
+    ) -> int | None:
         """A slot of `cap` (in [0, n)), waiting up to `wait` (seconds or a timedelta) for one;
-        None when throttled or when no slot can be had."""
+        None when throttled or when no slot can be had. With `rate`, the cap's rate policy is
+        made that rate first (see ``stage_e_slot``)."""
+        if rate is not None and not await self._rated(cap, rate):
+            return None
         got, _ = await self._take(n, 1, cap, wait)
         return None if got is None else got[0]
 
     async def try_slots(
             self, n: int, k: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0,
+            rate: Rate | None = None,
     ) -> list[int] | None:
         """k distinct slots of `cap` (in [0, n)), all or none, waiting up to `wait` for them
-        (in arrival order with the cap's other waiters); None when they could not all be had."""
+        (in arrival order with the cap's other waiters); None when they could not all be had.
+        With `rate`, the cap's rate policy is made that rate first (k slots charge k)."""
+        if rate is not None and not await self._rated(cap, rate):
+            return None
         got, _ = await self._take(n, k, cap, wait)
         return got
 
