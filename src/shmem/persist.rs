@@ -39,7 +39,7 @@ use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
 use stage_e_core::lease_file::{self, Checkpoint, LeaseFile, SavedHold, SavedLease};
 use stage_e_core::lifecycle::StartKind;
-use stage_e_core::rate::RateFile;
+use stage_e_core::rate_file::RateFile;
 use std::sync::Mutex;
 
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
