@@ -7,7 +7,13 @@
 //! - [`Fair::join`]: a call that waits, after its ticket is taken;
 //! - [`Fair::who_next`], then [`Fair::granted`]: who freed slots go to, and that it took them;
 //! - [`Fair::leave`]: a waiter that gives up (timed out, cancelled, terminated);
-//! - [`Fair::released`]: a share gives slots back.
+//! - [`Fair::released`]: a share gives slots back;
+//! - [`Fair::order`], [`Fair::seats`]: who is served next, in order: the front seats of a cap
+//!   with shares (`queue::WaitLine::join_in_order`, `leave_in_order`, `reorder`).
+//!
+//! The steps a server runs around these, with the wait line's lock-free protocol (a seated
+//! waiter claims its slots without the lock, then records its grant), are `fair/line.rs`,
+//! tested with threads and model-checked with loom.
 //!
 //! **The rule.** While the cap has no waiters a call takes free slots within its share's
 //! ceiling, and nothing is charged: there is nobody to be fair to. While it has waiters, a
@@ -70,6 +76,8 @@
 //! **Slots of different n** are not this module's: `free` counts the slots the head could use,
 //! and the front's rules (`front`) apply to waiters in this order instead of ticket order.
 
+use crate::front::{Seated, Seats, FRONT};
+
 /// The largest weight; weights are 1 to 16.
 pub const MAX_WEIGHT: u32 = 16;
 
@@ -78,6 +86,9 @@ pub const UNIT: u64 = 720_720;
 
 /// A ceiling that never binds.
 pub const NO_CEILING: u32 = u32::MAX;
+
+/// The most places [`Fair::order`] projects (the front has 4 seats).
+pub const ORDER_MAX: usize = 8;
 
 /// When `V` reaches this, the tags are rebased (subtracting `V`).
 const REBASE_AT: u64 = 1 << 62;
@@ -309,14 +320,127 @@ impl<'a> Fair<'a> {
         })
     }
 
-    /// The waiter [`Fair::who_next`] named took its slots and left the queue; `queue` is the
-    /// waiters still queued, in any order (read only to find its share's next head).
+    /// The next waiters to be served, in order, into `out` (up to its length; returns how
+    /// many): who [`Fair::who_next`] names with every slot free, then who it would name once
+    /// that one was granted, and so on. `queue` is the waiters still queued, in any order
+    /// (walked once per place, to find a served share's next head). This is the order of the
+    /// front seats of a cap with shares (`front::Front::reseat_in`): the front's rules (a head
+    /// asking for k slots is not overtaken, slots of different n) then apply to waiters in
+    /// this order instead of arrival order. Nothing is written; the table is read through an
+    /// overlay of the shares a projected grant touched.
+    pub fn order<I>(&self, queue: I, out: &mut [Waiter]) -> usize
+    where
+        I: IntoIterator<Item = Waiter> + Clone,
+    {
+        // (record, finish, held, waiting, head, head_k) of each share a projected grant moved.
+        let mut moved = [(usize::MAX, 0u64, 0u32, 0u32, 0u64, 0u32); ORDER_MAX];
+        let mut touched = 0;
+        let mut v = self.clock.v;
+        let mut len = 0;
+        while len < out.len().min(ORDER_MAX) {
+            let view = |i: usize| {
+                let r = &self.shares[i];
+                moved[..touched]
+                    .iter()
+                    .find(|m| m.0 == i)
+                    .map_or((r.finish, r.held, r.waiting, r.head, r.head_k), |m| {
+                        (m.1, m.2, m.3, m.4, m.5)
+                    })
+            };
+            let first = (0..self.shares.len())
+                .filter(|&i| {
+                    let (_, held, waiting, _, head_k) = view(i);
+                    let r = &self.shares[i];
+                    r.digest != 0 && waiting > 0 && held.saturating_add(head_k) <= r.ceiling
+                })
+                .min_by_key(|&i| {
+                    let (finish, _, _, head, _) = view(i);
+                    (v.max(finish), head)
+                });
+            let Some(i) = first else { break };
+            let r = &self.shares[i];
+            let (finish, held, waiting, head, head_k) = view(i);
+            out[len] = Waiter {
+                share: r.digest,
+                ticket: head,
+                k: head_k,
+            };
+            len += 1;
+            // Granted: charged, holding, its next waiter by ticket is its head.
+            let s = v.max(finish);
+            v = s;
+            let next = queue
+                .clone()
+                .into_iter()
+                .filter(|w| w.share == r.digest && w.ticket > head)
+                .min_by_key(|w| w.ticket);
+            let m = (
+                i,
+                s + head_k as u64 * (UNIT / r.weight.clamp(1, MAX_WEIGHT) as u64),
+                held.saturating_add(head_k),
+                if next.is_some() { waiting - 1 } else { 0 },
+                next.map_or(0, |n| n.ticket),
+                next.map_or(0, |n| n.k),
+            );
+            match moved[..touched].iter_mut().find(|x| x.0 == i) {
+                Some(x) => *x = m,
+                None => {
+                    moved[touched] = m;
+                    touched += 1;
+                }
+            }
+        }
+        len
+    }
+
+    /// The front of a cap with shares: the first [`crate::front::FRONT`] waiters of `queue`
+    /// (each with its share's digest, in any order) in the order of service ([`Fair::order`]),
+    /// and the widest n of them all, for `queue::WaitLine::join_in_order` and its kin.
+    pub fn seats<I>(&self, queue: I) -> (Seats, u32)
+    where
+        I: IntoIterator<Item = (Seated, u64)> + Clone,
+        I::IntoIter: Clone,
+    {
+        let as_waiter = |(s, share): (Seated, u64)| Waiter {
+            share,
+            ticket: s.ticket,
+            k: s.k,
+        };
+        let mut order = [Waiter {
+            share: 0,
+            ticket: 0,
+            k: 0,
+        }; FRONT];
+        let len = self.order(queue.clone().into_iter().map(as_waiter), &mut order);
+        let widest = queue
+            .clone()
+            .into_iter()
+            .map(|(s, _)| s.n)
+            .max()
+            .unwrap_or(0);
+        let seats = order[..len]
+            .iter()
+            .filter_map(|w| {
+                queue
+                    .clone()
+                    .into_iter()
+                    .find(|(s, _)| s.ticket == w.ticket)
+                    .map(|(s, _)| s)
+            })
+            .collect();
+        (seats, widest)
+    }
+
+    /// Waiter `w` took its slots and left the queue; `queue` is the waiters still queued, in
+    /// any order (read only to find its share's next head). It is the one [`Fair::who_next`]
+    /// named, or one the front seated behind it ([`Fair::order`]) that took first because the
+    /// free slots covered both: a share is charged per grant, so the order in which seated
+    /// waiters record their grants changes no tag but their own share's.
     pub fn granted(&mut self, w: Waiter, queue: impl IntoIterator<Item = Waiter>) {
         let Some(i) = self.find(w.share) else {
             debug_assert!(false, "granted a waiter of no share: {w:?}");
             return;
         };
-        debug_assert!(self.shares[i].head == w.ticket && self.shares[i].head_k == w.k);
         self.charge(i, w.k);
         self.shares[i].held += w.k;
         self.dequeue(i, w.ticket, queue);
@@ -421,6 +545,12 @@ impl<'a> Fair<'a> {
 const _: () = assert!(size_of::<ShareRecord>() == 48 && size_of::<ShareRecord>() <= 64);
 const _: () = assert!(size_of::<Clock>() == 16);
 
+#[cfg(test)]
+mod line;
+#[cfg(all(test, loom))]
+mod line_model;
+#[cfg(all(test, not(loom)))]
+mod line_threads;
 #[cfg(all(test, not(loom)))]
 mod model;
 #[cfg(all(test, not(loom)))]

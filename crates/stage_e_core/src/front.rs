@@ -89,6 +89,17 @@ impl Seats {
     }
 }
 
+/// The first [`FRONT`] of an order of waiters (a cap with shares: `fair::Fair::order`).
+impl FromIterator<Seated> for Seats {
+    fn from_iter<I: IntoIterator<Item = Seated>>(order: I) -> Self {
+        let mut out = Seats::default();
+        for s in order.into_iter().take(FRONT) {
+            out.push(s);
+        }
+        out
+    }
+}
+
 /// Where each seat of `seats` (head first) may take its slots now: `Some(from)`, claiming the
 /// lowest free slots from `from` up, or None (it waits). A seat takes from the largest n of the
 /// seats ahead of it up when enough of those slots are free (none of them is any use to those
@@ -165,9 +176,16 @@ impl Front {
                 first.len = kept + 1;
             }
         }
+        self.seat_in_order(&first, widest);
+    }
+
+    /// Queue lock held: seats `order` (head first) and sets the widest n of the whole queue.
+    /// A cap with shares seats its waiters in the order they are to be served
+    /// (`fair::Fair::order`), not by ticket; the rules of [`plans`] apply to that order.
+    pub fn seat_in_order(&self, order: &Seats, widest: u32) {
         self.change(|seats| {
             for (i, seat) in seats.iter().enumerate() {
-                match first.get(i) {
+                match order.get(i) {
                     Some(&w) => Self::fill(seat, w),
                     None => seat.process.store(0, SeqCst),
                 }

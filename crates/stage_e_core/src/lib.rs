@@ -20,7 +20,8 @@
 //! - `lease`: a lease record's states and fencing-token arithmetic;
 //! - `rate`: rate limits (GCRA) and the table of rate keys;
 //! - `rate_file`: the rate file of a clean shutdown and how its arrival times carry over;
-//! - `fair`: fair shares of one cap's slots (start-time fair queuing; not yet used by the server);
+//! - `fair`: fair shares of one cap's slots (start-time fair queuing) and the order in which they
+//!   seat the front of its queue (not yet used by the server);
 //! - `queue`: a cap's queue of waiters: its count, tickets and seats, and who a release wakes;
 //! - `lifecycle`: the durable horizon and token floor, start kinds, holds after a crash;
 //! - `lease_file`: the lease journal, the lease file of a clean shutdown, the files' stamp;

@@ -99,6 +99,49 @@ impl WaitLine {
         self.front.to_wake(bits, false)
     }
 
+    /// A cap with shares (`fair`), under the queue lock: as [`WaitLine::join`], but `record`
+    /// (which writes the caller's waiter record and enters it in the cap's fair queue) returns
+    /// the front in the order of service (`fair::Fair::order`) and the widest n of the queue,
+    /// which are seated before the count shows the waiter. The waiter must then check
+    /// [`WaitLine::may_take`] before it sleeps.
+    pub fn join_in_order(
+        &self,
+        waiters: &Waiters,
+        record: impl FnOnce(u64) -> (Seats, u32),
+    ) -> u64 {
+        let ticket = self.tail.fetch_add(1, SeqCst);
+        let (order, widest) = record(ticket);
+        self.front.seat_in_order(&order, widest);
+        waiters.0.fetch_add(1, SeqCst);
+        seqcst_pair(); // counted, then the caller reads the bits
+        ticket
+    }
+
+    /// A cap with shares, under the queue lock, after a waiter left its fair queue (served or
+    /// not): uncounts it and seats `order` (the waiters still queued, in the order of service).
+    /// Returns the seats to wake: those that may take now. Unlike [`WaitLine::leave`] this
+    /// reseats whether or not the leaver had a seat: who is served next depends on every
+    /// share's head and ceiling, not on the tickets alone.
+    pub fn leave_in_order(
+        &self,
+        waiters: &Waiters,
+        order: &Seats,
+        widest: u32,
+        bits: &[AtomicU64],
+    ) -> Seats {
+        waiters.0.fetch_sub(1, SeqCst);
+        self.reorder(order, widest, bits)
+    }
+
+    /// A cap with shares, under the queue lock, when the order of service changed with no
+    /// waiter joining or leaving (a share at its ceiling gave slots back, so its head competes
+    /// again): seats `order` and returns the seats that may take now.
+    pub fn reorder(&self, order: &Seats, widest: u32, bits: &[AtomicU64]) -> Seats {
+        self.front.seat_in_order(order, widest);
+        seqcst_pair(); // reseated, then the bits
+        self.front.to_wake(bits, false)
+    }
+
     /// Where the waiter holding `ticket` may take its slots now, from which slot up: None
     /// unless it is seated and the free slots serve it ([`crate::front::plans`]).
     pub fn may_take(&self, ticket: u64, bits: &[AtomicU64]) -> Option<u32> {
@@ -190,41 +233,9 @@ mod run {
 mod model {
     use super::*;
     use crate::occupancy;
-    use crate::sync::Ordering;
-    use loom::sync::atomic::AtomicBool;
+    use crate::sync::{Ordering, SpinLock as Lock};
     use loom::sync::Arc;
     use loom::thread;
-
-    /// The queue lock (the waits LWLock) as a spinlock on a loom atomic: loom's `Mutex` does
-    /// not mix with `unpark` (an unpark makes a thread blocked on it runnable, and loom then
-    /// panics), and a latch does not wake a process waiting for an LWLock. The list itself is
-    /// in a std mutex that only the spinlock's holder touches, so it never blocks.
-    struct Lock<T> {
-        held: AtomicBool,
-        list: std::sync::Mutex<T>,
-    }
-
-    impl<T> Lock<T> {
-        fn new(t: T) -> Self {
-            Lock {
-                held: AtomicBool::new(false),
-                list: std::sync::Mutex::new(t),
-            }
-        }
-
-        fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
-            while self
-                .held
-                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-                .is_err()
-            {
-                thread::yield_now();
-            }
-            let r = f(&mut self.list.lock().unwrap());
-            self.held.store(false, Ordering::Release);
-            r
-        }
-    }
 
     struct Cap {
         line: WaitLine,

@@ -45,9 +45,50 @@ pub(crate) fn seqcst_pair() {
 /// limit).
 #[cfg(all(test, loom))]
 pub(crate) fn model(f: impl Fn() + Sync + Send + 'static) {
+    model_long(loom::model::Builder::new().max_branches, f);
+}
+
+/// [`model`] for an execution of more than loom's default 1,000 branches (each atomic access
+/// and each yield of a spinlock is one): a model with several rounds of the queue lock.
+#[cfg(all(test, loom))]
+pub(crate) fn model_long(max_branches: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     if b.preemption_bound.is_none() {
         b.preemption_bound = Some(2);
     }
+    b.max_branches = max_branches;
     b.check(f);
+}
+
+/// The queue lock (the extension's waits LWLock) in a loom model: a spinlock on a loom atomic
+/// around a std mutex that only the spinlock's holder touches, so it never blocks. Loom's own
+/// `Mutex` does not mix with `unpark` (an unpark makes a thread blocked on it runnable, and
+/// loom then panics), and a latch does not wake a process waiting for an LWLock.
+#[cfg(all(test, loom))]
+pub(crate) struct SpinLock<T> {
+    held: loom::sync::atomic::AtomicBool,
+    list: std::sync::Mutex<T>,
+}
+
+#[cfg(all(test, loom))]
+impl<T> SpinLock<T> {
+    pub(crate) fn new(t: T) -> Self {
+        SpinLock {
+            held: loom::sync::atomic::AtomicBool::new(false),
+            list: std::sync::Mutex::new(t),
+        }
+    }
+
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        while self
+            .held
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            yield_now();
+        }
+        let r = f(&mut self.list.lock().unwrap());
+        self.held.store(false, Ordering::Release);
+        r
+    }
 }

@@ -421,10 +421,33 @@ impl Sim {
         self.settle();
     }
 
+    /// [`Fair::order`] names, in order, who [`Fair::who_next`] would serve were every slot
+    /// free and nothing released, one grant after another (done on a copy).
+    pub(super) fn check_order(&self) {
+        let mut out = [Waiter {
+            share: 0,
+            ticket: 0,
+            k: 0,
+        }; ORDER_MAX];
+        let (mut clock, mut table) = (self.clock, self.table.clone());
+        let len = Fair::new(&mut clock, &mut table).order(self.queue.iter().copied(), &mut out);
+        let mut queue = self.queue.clone();
+        let mut served = Vec::new();
+        while served.len() < ORDER_MAX {
+            let mut f = Fair::new(&mut clock, &mut table);
+            let Some(w) = f.who_next(u32::MAX) else { break };
+            queue.retain(|q| q.ticket != w.ticket);
+            f.granted(w, queue.iter().copied());
+            served.push(w);
+        }
+        assert_eq!(&out[..len], &served[..], "projected order");
+    }
+
     /// Serves who the free slots go to, one by one, as every release would.
     pub(super) fn settle(&mut self) {
         loop {
             self.observe();
+            self.check_order();
             let free = self.free();
             let next = self.fair().who_next(free);
             assert_eq!(next, self.reference.who_next(free), "free {free}");
