@@ -69,9 +69,12 @@
 //! same.)
 //!
 //! **Layout.** A [`Clock`] (16 bytes) per cap, and a [`ShareRecord`] (48 bytes) per live share
-//! in a table of fixed size; zeroed memory is empty. No allocation: the callers pass the
-//! waiters still queued as an iterator where a share's next head must be found, as
-//! [`crate::front::Front::reseat`] takes them.
+//! in one [`Pool`] of fixed size that every cap draws on: a cap's records are a chain from its
+//! clock, the records given back a free list from the pool's [`PoolHead`] (8 bytes), and a
+//! database holds at most its limit of them (`database_share`); zeroed memory is empty. A
+//! step walks the cap's chain only, so its cost is the cap's live shares, not the pool's
+//! size. No allocation: the callers pass the waiters still queued as an iterator where a
+//! share's next head must be found, as [`crate::front::Front::reseat`] takes them.
 //!
 //! **Slots of different n** are not this module's: `free` counts the slots the head could use,
 //! and the front's rules (`front`) apply to waiters in this order instead of ticket order.
@@ -93,13 +96,15 @@ pub const ORDER_MAX: usize = 8;
 /// When `V` reaches this, the tags are rebased (subtracting `V`).
 const REBASE_AT: u64 = 1 << 62;
 
-/// A cap's virtual time and its count of waiters (zeroed memory: idle).
+/// A cap's virtual time, its count of waiters and its chain of share records (zeroed memory:
+/// idle, no shares).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Clock {
     v: u64,
     waiting: u32,
-    _spare: u32,
+    /// The cap's first share record in the pool, plus one (0: none).
+    first: u32,
 }
 
 /// One live share of a cap (zeroed memory: empty). 48 bytes.
@@ -119,13 +124,33 @@ pub struct ShareRecord {
     ceiling: u32,
     held: u32,
     waiting: u32,
-    _spare: u32,
+    /// The next record of the same cap's chain, or of the pool's free list, plus one (0: none).
+    next: u32,
 }
 
 impl ShareRecord {
     fn idle(&self) -> bool {
         self.held == 0 && self.waiting == 0
     }
+}
+
+/// The head of a pool of share records that many caps share (zeroed memory: every record
+/// free). A record is taken from the free list, else from the never-used ones above `high`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolHead {
+    free: u32,
+    high: u32,
+}
+
+/// The pool of share records as one step borrows it (under the queue lock): its records, its
+/// head, and how many records the cap's database holds and may hold (its `database_share` of
+/// the pool; `share::limit`).
+pub struct Pool<'a> {
+    pub records: &'a mut [ShareRecord],
+    pub head: &'a mut PoolHead,
+    pub used: &'a mut u32,
+    pub limit: u32,
 }
 
 /// A share as a call names it: the digest of its name (never 0; the caller's hash is kept off
@@ -155,20 +180,55 @@ pub enum Refused {
     Weight,
     /// k is 0 or above the share's ceiling: it could never be served.
     Ceiling,
-    /// Every record holds a share that holds or waits.
+    /// The pool (or the database's share of it) is taken, and the cap has no idle record to
+    /// reuse.
     Full,
 }
 
-/// A cap's fair queue: its clock and its table of shares, borrowed for one step under the
-/// queue lock.
+/// A cap's fair queue: its clock and the pool that holds its chain of shares, borrowed for one
+/// step under the queue lock.
 pub struct Fair<'a> {
     clock: &'a mut Clock,
     shares: &'a mut [ShareRecord],
+    head: &'a mut PoolHead,
+    used: &'a mut u32,
+    limit: u32,
+}
+
+/// The records of a cap's chain, by index, from `first` (an index plus one).
+struct Chain<'r> {
+    shares: &'r [ShareRecord],
+    at: u32,
+}
+
+impl Iterator for Chain<'_> {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        let i = self.at.checked_sub(1)? as usize;
+        // A link out of the pool (a bug) ends the chain rather than the process.
+        let r = self.shares.get(i)?;
+        self.at = r.next;
+        Some(i)
+    }
 }
 
 impl<'a> Fair<'a> {
-    pub fn new(clock: &'a mut Clock, shares: &'a mut [ShareRecord]) -> Self {
-        Fair { clock, shares }
+    pub fn new(clock: &'a mut Clock, pool: Pool<'a>) -> Self {
+        Fair {
+            clock,
+            shares: pool.records,
+            head: pool.head,
+            used: pool.used,
+            limit: pool.limit,
+        }
+    }
+
+    /// The cap's records, by index.
+    fn chain(&self) -> Chain<'_> {
+        Chain {
+            shares: self.shares,
+            at: self.clock.first,
+        }
     }
 
     /// The virtual time, in units of 1/[`UNIT`] slot (relative: it restarts and is rebased).
@@ -189,7 +249,9 @@ impl<'a> Fair<'a> {
 
     /// The shares with a state: holding, waiting, or owing (`F > V`).
     pub fn live(&self) -> usize {
-        self.shares.iter().filter(|r| !self.empty(r)).count()
+        self.chain()
+            .filter(|&i| !self.empty(&self.shares[i]))
+            .count()
     }
 
     fn start(&self, r: &ShareRecord) -> u64 {
@@ -203,7 +265,7 @@ impl<'a> Fair<'a> {
 
     fn find(&self, digest: u64) -> Option<usize> {
         (digest != 0)
-            .then(|| self.shares.iter().position(|r| r.digest == digest))
+            .then(|| self.chain().find(|&i| self.shares[i].digest == digest))
             .flatten()
     }
 
@@ -218,22 +280,25 @@ impl<'a> Fair<'a> {
     }
 
     /// The record of `share`, its policy updated (a weight applies from the next charge, a
-    /// ceiling at once); a new one at `V` if it has none: an empty record, else the idle one
+    /// ceiling at once); a new one at `V` if it has none: an empty record of the cap's, else
+    /// one from the pool while the database is under its limit, else the cap's idle record
     /// that owes least (its debt, less than one request, is forgiven), else [`Refused::Full`].
     fn record(&mut self, share: Share) -> Result<usize, Refused> {
         let i = match self.find(share.digest) {
             Some(i) => i,
             None => {
-                let i = (0..self.shares.len())
-                    .find(|&i| self.empty(&self.shares[i]))
-                    .or_else(|| {
-                        (0..self.shares.len())
-                            .filter(|&i| self.shares[i].idle())
-                            .min_by_key(|&i| self.shares[i].finish)
-                    })
-                    .ok_or(Refused::Full)?;
+                let reused = self.chain().find(|&i| self.empty(&self.shares[i]));
+                let i = match reused.or_else(|| self.take()) {
+                    Some(i) => i,
+                    None => self
+                        .chain()
+                        .filter(|&i| self.shares[i].idle())
+                        .min_by_key(|&i| self.shares[i].finish)
+                        .ok_or(Refused::Full)?,
+                };
                 self.shares[i] = ShareRecord {
                     digest: share.digest,
+                    next: self.shares[i].next,
                     ..ShareRecord::default()
                 };
                 i
@@ -300,7 +365,7 @@ impl<'a> Fair<'a> {
     /// The first eligible head: of the shares whose head fits under their ceiling, the smallest
     /// `max(V, F)`, the earlier ticket on a tie.
     fn first(&self) -> Option<usize> {
-        (0..self.shares.len())
+        self.chain()
             .filter(|&i| {
                 let r = &self.shares[i];
                 r.digest != 0 && r.waiting > 0 && r.held.saturating_add(r.head_k) <= r.ceiling
@@ -347,7 +412,8 @@ impl<'a> Fair<'a> {
                         (m.1, m.2, m.3, m.4, m.5)
                     })
             };
-            let first = (0..self.shares.len())
+            let first = self
+                .chain()
                 .filter(|&i| {
                     let (_, held, waiting, _, head_k) = view(i);
                     let r = &self.shares[i];
@@ -484,8 +550,13 @@ impl<'a> Fair<'a> {
     /// Subtracts `V` from every tag: every `max(V, F) - V` is kept, so no decision changes.
     fn rebase(&mut self) {
         let v = self.clock.v;
-        for r in self.shares.iter_mut() {
+        let mut at = self.clock.first;
+        while let Some(r) = at
+            .checked_sub(1)
+            .and_then(|i| self.shares.get_mut(i as usize))
+        {
             r.finish = r.finish.saturating_sub(v);
+            at = r.next;
         }
         self.clock.v = 0;
     }
@@ -526,24 +597,115 @@ impl<'a> Fair<'a> {
     /// clock and every tag restart at 0, and the idle shares are forgotten.
     fn restart(&mut self) {
         self.clock.v = 0;
-        for r in self.shares.iter_mut() {
+        let (mut prev, mut at): (Option<usize>, u32) = (None, self.clock.first);
+        while let Some(i) = at.checked_sub(1).map(|i| i as usize) {
+            let Some(r) = self.shares.get_mut(i) else {
+                break;
+            };
+            at = r.next;
             r.finish = 0;
             if r.idle() {
-                *r = ShareRecord::default();
+                match prev {
+                    None => self.clock.first = at,
+                    Some(p) => self.shares[p].next = at,
+                }
+                self.free(i);
+            } else {
+                prev = Some(i);
             }
         }
     }
 
     fn forget_if_empty(&mut self, i: usize) {
         if self.empty(&self.shares[i]) {
-            self.shares[i] = ShareRecord::default();
+            self.forget(i);
+        }
+    }
+
+    /// A record from the pool, first in the cap's chain; None if the database holds its limit
+    /// or the pool has none free.
+    fn take(&mut self) -> Option<usize> {
+        if *self.used >= self.limit {
+            return None;
+        }
+        let i = match self.head.free.checked_sub(1) {
+            Some(i) => {
+                self.head.free = self.shares[i as usize].next;
+                i as usize
+            }
+            None if (self.head.high as usize) < self.shares.len() => {
+                self.head.high += 1;
+                self.head.high as usize - 1
+            }
+            None => return None,
+        };
+        self.shares[i] = ShareRecord {
+            next: self.clock.first,
+            ..ShareRecord::default()
+        };
+        self.clock.first = i as u32 + 1;
+        *self.used += 1;
+        Some(i)
+    }
+
+    /// Unlinks record `i` from the cap's chain and gives it back to the pool.
+    fn forget(&mut self, i: usize) {
+        let link = i as u32 + 1;
+        let next = self.shares[i].next;
+        if self.clock.first == link {
+            self.clock.first = next;
+        } else if let Some(prev) = self.chain().find(|&p| self.shares[p].next == link) {
+            self.shares[prev].next = next;
+        } else {
+            debug_assert!(false, "record {i} is not in the cap's chain");
+            return;
+        }
+        self.free(i);
+    }
+
+    /// Puts record `i`, out of every chain, on the pool's free list.
+    fn free(&mut self, i: usize) {
+        self.shares[i] = ShareRecord {
+            next: self.head.free,
+            ..ShareRecord::default()
+        };
+        self.head.free = i as u32 + 1;
+        *self.used = self.used.saturating_sub(1);
+    }
+}
+
+/// A pool of its own, for the tests.
+#[cfg(test)]
+#[derive(Clone, Debug)]
+pub(crate) struct Shares {
+    pub(crate) records: Vec<ShareRecord>,
+    pub(crate) head: PoolHead,
+    pub(crate) used: u32,
+}
+
+#[cfg(test)]
+impl Shares {
+    pub(crate) fn new(records: usize) -> Self {
+        Shares {
+            records: vec![ShareRecord::default(); records],
+            head: PoolHead::default(),
+            used: 0,
+        }
+    }
+
+    pub(crate) fn pool(&mut self) -> Pool<'_> {
+        Pool {
+            limit: self.records.len() as u32,
+            records: &mut self.records,
+            head: &mut self.head,
+            used: &mut self.used,
         }
     }
 }
 
 // Layout, for shared memory: a share costs 48 bytes (issue 38: at most 64), a cap's clock 16.
 const _: () = assert!(size_of::<ShareRecord>() == 48 && size_of::<ShareRecord>() <= 64);
-const _: () = assert!(size_of::<Clock>() == 16);
+const _: () = assert!(size_of::<Clock>() == 16 && size_of::<PoolHead>() == 8);
 
 #[cfg(test)]
 mod line;
@@ -553,5 +715,7 @@ mod line_model;
 mod line_threads;
 #[cfg(all(test, not(loom)))]
 mod model;
+#[cfg(all(test, not(loom)))]
+mod pool;
 #[cfg(all(test, not(loom)))]
 mod scenarios;

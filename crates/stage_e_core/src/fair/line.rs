@@ -19,7 +19,7 @@ use crate::sync::AtomicU64;
 pub(super) struct Locked {
     pub(super) queue: Vec<(Seated, u64)>,
     pub(super) clock: Clock,
-    pub(super) table: Vec<ShareRecord>,
+    pub(super) table: Shares,
 }
 
 impl Locked {
@@ -27,17 +27,17 @@ impl Locked {
         Locked {
             queue: Vec::new(),
             clock: Clock::default(),
-            table: vec![ShareRecord::default(); shares],
+            table: Shares::new(shares),
         }
     }
 
     pub(super) fn fair(&mut self) -> Fair<'_> {
-        Fair::new(&mut self.clock, &mut self.table)
+        Fair::new(&mut self.clock, self.table.pool())
     }
 
     /// The front in the order of service, and the widest n.
     fn seats(&mut self) -> (Seats, u32) {
-        let f = Fair::new(&mut self.clock, &mut self.table);
+        let f = Fair::new(&mut self.clock, self.table.pool());
         f.seats(self.queue.iter().copied())
     }
 

@@ -8,7 +8,7 @@ use super::*;
 use std::collections::BTreeMap;
 
 /// SplitMix64: small, deterministic, no dependency.
-pub(super) struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
     pub(super) fn next(&mut self) -> u64 {
@@ -279,7 +279,7 @@ pub(super) struct Stretch {
 pub(super) struct Sim {
     n: u32,
     pub(super) clock: Clock,
-    pub(super) table: Vec<ShareRecord>,
+    pub(super) table: Shares,
     reference: Reference,
     textbook: Option<Textbook>,
     /// The waiters, in arrival order (the extension's list of waiter records).
@@ -310,7 +310,7 @@ impl Sim {
         Sim {
             n,
             clock: Clock::default(),
-            table: vec![ShareRecord::default(); capacity],
+            table: Shares::new(capacity),
             reference: Reference::default(),
             textbook: None,
             queue: Vec::new(),
@@ -325,7 +325,7 @@ impl Sim {
     }
 
     pub(super) fn fair(&mut self) -> Fair<'_> {
-        Fair::new(&mut self.clock, &mut self.table)
+        Fair::new(&mut self.clock, self.table.pool())
     }
 
     pub(super) fn free(&self) -> u32 {
@@ -356,7 +356,7 @@ impl Sim {
         }
         if !self.reference.shares.contains_key(&sh.digest) {
             // A share with no state (new, or idle and forgotten) starts at V: no credit.
-            let f = Fair::new(&mut self.clock, &mut self.table);
+            let f = Fair::new(&mut self.clock, self.table.pool());
             assert_eq!(f.start_of(sh.digest), f.virtual_time());
         }
         if may {
@@ -416,7 +416,7 @@ impl Sim {
         );
         let at = self.queue.iter().position(|w| w.ticket == ticket).unwrap();
         let w = self.queue.remove(at);
-        Fair::new(&mut self.clock, &mut self.table).leave(w, self.queue.iter().copied());
+        Fair::new(&mut self.clock, self.table.pool()).leave(w, self.queue.iter().copied());
         self.reference.leave(w);
         self.settle();
     }
@@ -430,11 +430,11 @@ impl Sim {
             k: 0,
         }; ORDER_MAX];
         let (mut clock, mut table) = (self.clock, self.table.clone());
-        let len = Fair::new(&mut clock, &mut table).order(self.queue.iter().copied(), &mut out);
+        let len = Fair::new(&mut clock, table.pool()).order(self.queue.iter().copied(), &mut out);
         let mut queue = self.queue.clone();
         let mut served = Vec::new();
         while served.len() < ORDER_MAX {
-            let mut f = Fair::new(&mut clock, &mut table);
+            let mut f = Fair::new(&mut clock, table.pool());
             let Some(w) = f.who_next(u32::MAX) else { break };
             queue.retain(|q| q.ticket != w.ticket);
             f.granted(w, queue.iter().copied());
@@ -457,7 +457,7 @@ impl Sim {
             let Some(w) = next else { break };
             let tag = self.reference.tag(w.share);
             self.queue.retain(|q| q.ticket != w.ticket);
-            Fair::new(&mut self.clock, &mut self.table).granted(w, self.queue.iter().copied());
+            Fair::new(&mut self.clock, self.table.pool()).granted(w, self.queue.iter().copied());
             self.reference.granted(w);
             if let Some(t) = &mut self.textbook {
                 t.granted(w);
@@ -560,20 +560,25 @@ impl Sim {
     pub(super) fn check(&mut self) {
         let free = self.free();
         let r = &self.reference;
-        let f = Fair::new(&mut self.clock, &mut self.table);
+        let f = Fair::new(&mut self.clock, self.table.pool());
         assert_eq!(f.waiting() as usize, self.queue.len());
         for (&s, _) in self.seen.iter() {
             let mine = (f.start_of(s) - f.virtual_time()) as u128 * RU;
             assert_eq!(mine, (r.tag(s) - r.v) * UNIT as u128, "share {s}'s start");
         }
-        let live: Vec<u64> = (self.table.iter())
+        let live: Vec<u64> = (self.table.records.iter())
             .filter(|x| x.digest != 0 && !(x.idle() && x.finish <= self.clock.v))
             .map(|x| x.digest)
             .collect();
         let mut sorted = live.clone();
         sorted.sort();
         assert_eq!(sorted, r.shares.keys().copied().collect::<Vec<_>>());
-        for x in self.table.iter().filter(|x| live.contains(&x.digest)) {
+        for x in self
+            .table
+            .records
+            .iter()
+            .filter(|x| live.contains(&x.digest))
+        {
             let rs = &r.shares[&x.digest];
             let queued = self.queue.iter().filter(|w| w.share == x.digest).count();
             assert_eq!((x.held, x.waiting as usize), (rs.held, queued));
@@ -662,7 +667,12 @@ pub(super) fn scenario(seed: u64) -> usize {
     assert!(sim.queue.is_empty(), "left waiting: {:?}", sim.queue);
     let f = sim.fair();
     assert_eq!((f.live(), f.waiting(), f.virtual_time()), (0, 0, 0));
-    assert!(sim.table.iter().all(|r| *r == ShareRecord::default()));
+    assert!(sim.table.records.iter().all(|r| r.digest == 0));
+    assert_eq!(
+        (sim.clock, sim.table.used),
+        (Clock::default(), 0),
+        "every record freed"
+    );
     grants
 }
 

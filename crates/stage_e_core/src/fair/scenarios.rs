@@ -309,8 +309,8 @@ fn a_head_asking_for_two_slots_is_not_overtaken_as_the_literal_rule_would() {
 #[test]
 fn new_shares_keep_coming_in_ahead_of_a_backlogged_one() {
     let mut clock = Clock::default();
-    let mut table = [ShareRecord::default(); 8];
-    let mut fair = Fair::new(&mut clock, &mut table);
+    let mut table = Shares::new(8);
+    let mut fair = Fair::new(&mut clock, table.pool());
     let big = share(A, 1, NO_CEILING);
     fair.took_now(big, 1).unwrap();
     let mut queue: Vec<Waiter> = (0..5)
@@ -361,7 +361,7 @@ fn a_rebase_changes_no_decision() {
     backlog(&mut sim, b, 5);
     let offset = REBASE_AT - 50 * UNIT - sim.clock.v;
     sim.clock.v += offset;
-    for r in sim.table.iter_mut().filter(|r| r.digest != 0) {
+    for r in sim.table.records.iter_mut().filter(|r| r.digest != 0) {
         r.finish += offset;
     }
     let mut rebased = false;
@@ -383,8 +383,8 @@ fn a_rebase_changes_no_decision() {
 #[test]
 fn a_full_table_forgives_the_least_debt_then_refuses() {
     let mut clock = Clock::default();
-    let mut table = [ShareRecord::default(); 3];
-    let mut fair = Fair::new(&mut clock, &mut table);
+    let mut table = Shares::new(3);
+    let mut fair = Fair::new(&mut clock, table.pool());
     let s = |d| share(d, 1, NO_CEILING);
     let w = |d, t| Waiter {
         share: d,
@@ -453,8 +453,8 @@ fn calls_that_do_not_wait() {
 #[test]
 fn weights_ks_and_digests_out_of_range_are_refused() {
     let mut clock = Clock::default();
-    let mut table = [ShareRecord::default(); 2];
-    let mut fair = Fair::new(&mut clock, &mut table);
+    let mut table = Shares::new(2);
+    let mut fair = Fair::new(&mut clock, table.pool());
     for (sh, k, why) in [
         (share(A, 0, 4), 1, Refused::Weight),
         (share(A, MAX_WEIGHT + 1, 4), 1, Refused::Weight),
