@@ -61,12 +61,18 @@ impl WaitLine {
     /// [`crate::front::FRONT`], and counts it. The waiter must then check
     /// [`WaitLine::may_take`] before it sleeps.
     pub fn join(&self, waiters: &Waiters, record: impl FnOnce(u64) -> Seated) -> u64 {
+        self.enter(waiters, |ticket, front| {
+            let before = waiters.0.load(SeqCst) as usize;
+            front.join(before, record(ticket));
+        })
+    }
+
+    /// Takes the next ticket, runs `seat` (the caller's record written and the front changed
+    /// for it), then counts the waiter: seated (and its n in the widest) before the count
+    /// shows it, so that a call that sees the count sees its n.
+    fn enter(&self, waiters: &Waiters, seat: impl FnOnce(u64, &Front)) -> u64 {
         let ticket = self.tail.fetch_add(1, SeqCst);
-        let w = record(ticket);
-        // Seated (and its n in the widest) before the count shows it: a call that sees the
-        // count sees its n.
-        let before = waiters.0.load(SeqCst) as usize;
-        self.front.join(before, w);
+        seat(ticket, &self.front);
         waiters.0.fetch_add(1, SeqCst);
         seqcst_pair(); // counted, then the caller reads the bits
         ticket
@@ -109,12 +115,10 @@ impl WaitLine {
         waiters: &Waiters,
         record: impl FnOnce(u64) -> (Seats, u32),
     ) -> u64 {
-        let ticket = self.tail.fetch_add(1, SeqCst);
-        let (order, widest) = record(ticket);
-        self.front.seat_in_order(&order, widest);
-        waiters.0.fetch_add(1, SeqCst);
-        seqcst_pair(); // counted, then the caller reads the bits
-        ticket
+        self.enter(waiters, |ticket, front| {
+            let (order, widest) = record(ticket);
+            front.seat_in_order(&order, widest);
+        })
     }
 
     /// A cap with shares, under the queue lock, after a waiter left its fair queue (served or
