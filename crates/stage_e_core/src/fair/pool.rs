@@ -126,9 +126,8 @@ fn random_steps_on_caps_sharing_a_pool_keep_its_lists_whole() {
         }
         for cap in 0..4 {
             let mut f = Fair::new(&mut clocks[cap], t.pool());
-            for w in std::mem::take(&mut queues[cap]) {
-                let rest: Vec<Waiter> = queues[cap].clone();
-                f.leave(w, rest);
+            while let Some(w) = queues[cap].pop() {
+                f.leave(w, queues[cap].iter().copied());
             }
             for d in std::mem::take(&mut holds[cap]) {
                 f.released(d, 1);
