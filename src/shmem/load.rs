@@ -18,7 +18,7 @@ impl CapEntry {
     /// Under the exclusive directory lock, reclaiming.
     pub(super) fn clear_load(&self) {
         self.load_held.clear();
-        self.load_throttles.clear();
+        self.counters.load_throttles.clear();
         self.load_last_us.store(0, Ordering::Relaxed);
         self.load_last_throttled.store(0, Ordering::Relaxed);
     }
@@ -35,7 +35,7 @@ pub fn sample_load(now_us: i64) {
         if last_us == 0 || now_us <= last_us {
             // The first sample of a cap sets the baseline: the averages start from it.
             e.load_held.start(held as f64);
-            e.load_throttles.start(0.0);
+            e.counters.load_throttles.start(0.0);
             continue;
         }
         let dt = (now_us - last_us) as f64 / 1e6;
@@ -43,7 +43,7 @@ pub fn sample_load(now_us: i64) {
         let new = throttled.checked_sub(last_throttled).unwrap_or(throttled);
         let rate = load::per_minute(new, dt);
         e.load_held.sample(held as f64, dt);
-        e.load_throttles.sample(rate, dt);
+        e.counters.load_throttles.sample(rate, dt);
     }
 }
 
@@ -54,7 +54,7 @@ pub fn load_of(db: u32) -> Vec<Load> {
         .map(|cap| Load {
             cap: cap.name(),
             held: cap.entry().load_held.read(),
-            throttles_per_min: cap.entry().load_throttles.read(),
+            throttles_per_min: cap.entry().counters.load_throttles.read(),
         })
         .collect()
 }

@@ -360,8 +360,7 @@ fn rate_admits(cap: &Cap, gate: &rates::Gate, k: u32, wait: Wait) -> Result<bool
         });
     }
     if matches!(wait, Wait::No) && !gate.peek(k).allowed {
-        cap.counters().bump(Counter::Throttled, 1);
-        cap.counters().bump(Counter::RateLimited, 1);
+        rates::count_throttled(cap.counters(), Some(gate));
         return Ok(false);
     }
     Ok(true)
@@ -458,10 +457,7 @@ fn not_taken(
             waiting::wait_in_line(cap, n, k, deadline, kind, gate)
         }
         _ => {
-            cap.counters().bump(Counter::Throttled, 1);
-            if gate.is_some_and(|g| g.refused()) {
-                cap.counters().bump(Counter::RateLimited, 1);
-            }
+            rates::count_throttled(cap.counters(), gate);
             Ok(None)
         }
     }

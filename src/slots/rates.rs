@@ -16,9 +16,10 @@ use super::{check_name, ready, SlotError};
 use crate::gucs;
 use crate::names::quoted;
 use crate::session;
-use crate::shmem::{self, NoRoom};
+use crate::shmem::{self, Counter, NoRoom};
 use crate::sql;
 use pgrx::datum::DatumWithOid;
+use stage_e_core::flush::Counters;
 use stage_e_core::rate::{Decision, Rate, Space};
 
 /// `stage_e_try_rate(key, count, per, burst, cost)`, `per` in ns (None: NULL, or not a fixed
@@ -334,6 +335,16 @@ impl Gate {
     /// The burst: a call of more slots than this can never be allowed.
     pub fn burst(&self) -> u32 {
         self.rate.burst
+    }
+}
+
+/// A call ends throttled: counted as throttled, and as rate-limited too when its cap's rate
+/// refused it at least once on the way (`gate`).
+#[inline]
+pub fn count_throttled(counters: &Counters, gate: Option<&Gate>) {
+    counters.bump(Counter::Throttled, 1);
+    if gate.is_some_and(|g| g.refused()) {
+        counters.bump(Counter::RateLimited, 1);
     }
 }
 

@@ -124,10 +124,7 @@ pub(super) fn wait_in_line(
             drop(cap);
             drop(queued);
             counters.bump(Counter::WaitTimeouts, 1);
-            counters.bump(Counter::Throttled, 1);
-            if gate.is_some_and(|g| g.refused()) {
-                counters.bump(Counter::RateLimited, 1);
-            }
+            super::rates::count_throttled(counters, gate);
             counters.bump(Counter::WaitTime, waited);
             return Ok(None);
         }
