@@ -78,7 +78,7 @@ pub fn init() {
         c"stage_e_slots.max_caps",
         c"How many caps (named or default, of all databases) can be in use at once.",
         c"A cap with held slots or counts not yet flushed is in use; an idle one is reclaimed \
-          when room is needed. Each takes a 1,280-byte entry and a slot block of shared memory.",
+          when room is needed. Each takes a 1,216-byte entry and a slot block of shared memory.",
         &MAX_CAPS,
         16,
         MAX_MAX_CAPS,
