@@ -14,7 +14,8 @@ and the launcher commits the lease horizons a lease needs):
   advisory-lock pair;
 - throttled tries on caps whose every slot another backend holds: n = 8, 1,024 and 16,384;
   one named cap of 1,000 live caps, and a random one of them (`'tenant:' || c`);
-- the floor of any call with a parameter, `abs(i)`, in the same loop;
+- the floor of any call with a parameter, `abs(i)`, in the same loop, and as a statement
+  `left($1, $2)`, the floor of a call with the throttled try's arguments (text, integer);
 - as statements only: `stage_e_try_rate` (issue 37) and PostgreSQL's own function with OUT
   parameters in FROM (`pg_walfile_name_offset`), the floor of any `RETURNS TABLE` call.
 
@@ -143,6 +144,10 @@ STATEMENTS: dict[str, list[Stmt]] = {
     "throttled, random cap of 1,000": [("SELECT stage_e_try_slot('tenant:' || %s, %s::int)",
                                         lambda i, p: (1 + i * 7919 % CAPS, 8))],
     "floor: abs($1)": [("SELECT abs(%s::int)", lambda i, p: (i,))],
+    # The floor of a call with the throttled try's arguments (a text and an integer, the same
+    # values): PostgreSQL's own left(text, int), whose work is a few instructions; what it
+    # costs above abs($1) is what any function of these arguments pays to be called.
+    "floor: left($1, $2)": [("SELECT left(%s, %s::int)", lambda i, p: ("full8", 8))],
     # Issue 37: a rate limit on its own, on one of 1,000 keys it always allows, against the
     # floor above and PostgreSQL's own function with OUT parameters in FROM (what any
     # RETURNS TABLE function pays there: the row type rebuilt from pg_proc at executor start).
@@ -162,6 +167,8 @@ TARGETS = [
      "throttled, random cap of 1,000", "throttled, one cap of 1,000", 1 / 0.85),
     ("throttled try n=8 vs SELECT abs($1) (>= 0.95x)", "statements", "throttled n=8",
      "floor: abs($1)", 1 / 0.95),
+    ("throttled try n=8 vs SELECT left($1, $2), its arguments' floor (>= 0.95x; proposed)",
+     "statements", "throttled n=8", "floor: left($1, $2)", 1 / 0.95),
     ("in-server pair vs the SQL advisory pair (<= 1.2x)", "loops", "default pair",
      "SQL advisory pair", 1.2),
     ("issue 37: stage_e_try_rate vs SELECT abs($1) (>= 0.95x)", "statements",
