@@ -173,6 +173,18 @@ pub struct Waiter {
     pub k: u32,
 }
 
+/// Where a share's record is in the pool, for whoever holds its slots to name it when they
+/// are given back (the server keeps it in the slots' holder records): the index plus one, so
+/// never 0. A record is kept while its share holds slots, so this stays valid until then.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShareAt(pub u32);
+
+impl ShareAt {
+    fn of(i: usize) -> Self {
+        ShareAt(i as u32 + 1)
+    }
+}
+
 /// Why a call is refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refused {
@@ -334,7 +346,7 @@ impl<'a> Fair<'a> {
 
     /// A call that did not wait took `k` slots ([`Fair::may_take_now`] said it may). Charged
     /// only while the cap has waiters.
-    pub fn took_now(&mut self, share: Share, k: u32) -> Result<(), Refused> {
+    pub fn took_now(&mut self, share: Share, k: u32) -> Result<ShareAt, Refused> {
         Self::check(share, k)?;
         let i = self.record(share)?;
         if self.shares[i].held.saturating_add(k) > share.ceiling {
@@ -344,7 +356,7 @@ impl<'a> Fair<'a> {
             self.charge(i, k);
         }
         self.shares[i].held += k;
-        Ok(())
+        Ok(ShareAt::of(i))
     }
 
     /// A call of `share` waits for `k` slots with `ticket` (tickets rise in arrival order). It
@@ -502,14 +514,19 @@ impl<'a> Fair<'a> {
     /// named, or one the front seated behind it ([`Fair::order`]) that took first because the
     /// free slots covered both: a share is charged per grant, so the order in which seated
     /// waiters record their grants changes no tag but their own share's.
-    pub fn granted(&mut self, w: Waiter, queue: impl IntoIterator<Item = Waiter>) {
+    pub fn granted(
+        &mut self,
+        w: Waiter,
+        queue: impl IntoIterator<Item = Waiter>,
+    ) -> Option<ShareAt> {
         let Some(i) = self.find(w.share) else {
             debug_assert!(false, "granted a waiter of no share: {w:?}");
-            return;
+            return None;
         };
         self.charge(i, w.k);
         self.shares[i].held += w.k;
         self.dequeue(i, w.ticket, queue);
+        Some(ShareAt::of(i))
     }
 
     /// Waiter `w` left the queue unserved; `queue` as for [`Fair::granted`]. Nothing is given
@@ -522,12 +539,25 @@ impl<'a> Fair<'a> {
         self.dequeue(i, w.ticket, queue);
     }
 
-    /// Share `digest` gave `k` slots back.
+    /// Share `digest` gave `k` slots back ([`Fair::released_at`], found by its digest).
     pub fn released(&mut self, digest: u64, k: u32) {
-        let Some(i) = self.find(digest) else {
-            debug_assert!(false, "share {digest} released what it did not hold");
+        match self.find(digest) {
+            Some(i) => self.released_at(ShareAt::of(i), k),
+            None => debug_assert!(false, "share {digest} released what it did not hold"),
+        }
+    }
+
+    /// The share whose record is `at` ([`Fair::took_now`], [`Fair::granted`]) gave `k` slots
+    /// back. A record that is not the cap's (a caller's bug) changes nothing: another cap's
+    /// share is never given slots it did not hold.
+    pub fn released_at(&mut self, at: ShareAt, k: u32) {
+        let Some(i) = at.0.checked_sub(1).map(|i| i as usize) else {
             return;
         };
+        if !self.chain().any(|c| c == i) {
+            debug_assert!(false, "record {i} is not the cap's");
+            return;
+        }
         let r = &mut self.shares[i];
         debug_assert!(r.held >= k);
         r.held = r.held.saturating_sub(k);

@@ -284,8 +284,8 @@ pub(super) struct Sim {
     textbook: Option<Textbook>,
     /// The waiters, in arrival order (the extension's list of waiter records).
     pub(super) queue: Vec<Waiter>,
-    /// Slots held: (share, k) per grant, oldest first.
-    pub(super) holds: Vec<(u64, u32)>,
+    /// Slots held: (share, k, where its record is) per grant, oldest first.
+    pub(super) holds: Vec<(u64, u32, ShareAt)>,
     tickets: u64,
     pub(super) log: Vec<Grant>,
     /// Per share seen: its weight and its largest k so far.
@@ -363,12 +363,12 @@ impl Sim {
             self.observe();
             let charged = !self.queue.is_empty();
             let tag = self.reference.tag(sh.digest);
-            self.fair().took_now(sh, k).unwrap();
+            let at = self.fair().took_now(sh, k).unwrap();
             self.reference.took_now(sh, k);
             if let Some(t) = &mut self.textbook {
                 t.took_now(sh, k);
             }
-            self.holds.push((sh.digest, k));
+            self.holds.push((sh.digest, k, at));
             self.granted(sh.digest, k, charged.then_some(tag));
             self.check();
             return Got::Took;
@@ -396,8 +396,8 @@ impl Sim {
 
     /// Gives back hold `i` (oldest first), then serves whom the freed slots go to.
     pub(super) fn release(&mut self, i: usize) {
-        let (s, k) = self.holds.remove(i);
-        self.fair().released(s, k);
+        let (s, k, at) = self.holds.remove(i);
+        self.fair().released_at(at, k);
         self.reference.released(s, k);
         self.settle();
     }
@@ -457,12 +457,14 @@ impl Sim {
             let Some(w) = next else { break };
             let tag = self.reference.tag(w.share);
             self.queue.retain(|q| q.ticket != w.ticket);
-            Fair::new(&mut self.clock, self.table.pool()).granted(w, self.queue.iter().copied());
+            let at = Fair::new(&mut self.clock, self.table.pool())
+                .granted(w, self.queue.iter().copied())
+                .expect("a waiter of a share");
             self.reference.granted(w);
             if let Some(t) = &mut self.textbook {
                 t.granted(w);
             }
-            self.holds.push((w.share, w.k));
+            self.holds.push((w.share, w.k, at));
             self.granted(w.share, w.k, Some(tag));
         }
         self.check();

@@ -82,9 +82,9 @@ fn random_steps_on_caps_sharing_a_pool_keep_its_lists_whole() {
         let mut rng = Rng(seed);
         let mut t = Shares::new(rng.range(2, 12) as usize);
         let mut clocks = [Clock::default(); 4];
-        // Per cap: its waiters (share, ticket) and its holds (share).
+        // Per cap: its waiters (share, ticket) and its holds (where their share's record is).
         let mut queues: [Vec<Waiter>; 4] = Default::default();
-        let mut holds: [Vec<u64>; 4] = Default::default();
+        let mut holds: [Vec<ShareAt>; 4] = Default::default();
         let mut ticket = 0;
         for _ in 0..400 {
             let cap = rng.below(4);
@@ -92,8 +92,8 @@ fn random_steps_on_caps_sharing_a_pool_keep_its_lists_whole() {
             let mut f = Fair::new(&mut clocks[cap], t.pool());
             match rng.below(4) {
                 0 if f.may_take_now(sh, 1, 8) => {
-                    if f.took_now(sh, 1).is_ok() {
-                        holds[cap].push(sh.digest);
+                    if let Ok(at) = f.took_now(sh, 1) {
+                        holds[cap].push(at);
                     }
                 }
                 1 => {
@@ -114,11 +114,11 @@ fn random_steps_on_caps_sharing_a_pool_keep_its_lists_whole() {
                 _ => {
                     if let Some(w) = f.who_next(1) {
                         queues[cap].retain(|q| q.ticket != w.ticket);
-                        f.granted(w, queues[cap].iter().copied());
-                        holds[cap].push(w.share);
+                        let at = f.granted(w, queues[cap].iter().copied());
+                        holds[cap].push(at.expect("a waiter of a share"));
                     } else if !holds[cap].is_empty() {
-                        let d = holds[cap].remove(rng.below(holds[cap].len()));
-                        f.released(d, 1);
+                        let at = holds[cap].remove(rng.below(holds[cap].len()));
+                        f.released_at(at, 1);
                     }
                 }
             }
@@ -129,8 +129,8 @@ fn random_steps_on_caps_sharing_a_pool_keep_its_lists_whole() {
             while let Some(w) = queues[cap].pop() {
                 f.leave(w, queues[cap].iter().copied());
             }
-            for d in std::mem::take(&mut holds[cap]) {
-                f.released(d, 1);
+            for at in std::mem::take(&mut holds[cap]) {
+                f.released_at(at, 1);
             }
         }
         check_pool(&clocks, &t);
