@@ -64,6 +64,12 @@ pub(super) struct CapEntry {
 /// moved into room that was padding brought it back.
 const _: () = assert!(size_of::<CapEntry>() == 1216);
 
+/// The mark itself, so that a field that grows the entry past it fails the build rather than a
+/// benchmark run: a live cap of n <= 15 costs its entry, its part of the directory's index (at
+/// most 16 bytes: `directory::index_len` gives each entry 2 to 4 words) and a 256-byte slot
+/// page with the arena's bookkeeping of it (under 5%: 12 bytes).
+const _: () = assert!(size_of::<CapEntry>() + 16 + 256 + 12 <= 1536);
+
 /// An entry's identity, as `caps` writes it.
 pub(super) struct Identity<'a> {
     pub(super) database: u32,
