@@ -147,6 +147,10 @@ def main():
                         "adapt_enforce": r.adapt_enforce, "adapt_limit": r.adapt_limit,
                         "adapt_baseline": r.adapt_baseline.total_seconds()
                         if r.adapt_baseline is not None else None,
+                        "rate_count": r.rate_count, "rate_burst": r.rate_burst,
+                        "rate_per": r.rate_per.total_seconds()
+                        if r.rate_per is not None else None,
+                        "rate_limited": r.rate_limited,
                         "flushed_at": r.flushed_at.isoformat() if r.flushed_at else None}
                 for r in ThrottleCounter.objects.all()}
     first = next(iter(orm_rows), None)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from pgcluster import wait_for  # scripts/, put on sys.path by tests/conftest.py
@@ -16,6 +17,7 @@ CHECKER = Path(__file__).resolve().parents[2] / "examples" / "django" / "check_a
 COUNTERS = ["acquired", "throttled", "released", "foreign_releases", "released_by_exit",
             "expired"]
 ADAPT = ["adapt_min", "adapt_max", "adapt_enforce", "adapt_limit"]
+RATE = ["rate_count", "rate_per", "rate_burst", "rate_limited"]
 
 
 def stats(conn, cap):
@@ -27,7 +29,7 @@ def stats(conn, cap):
 
 
 def counter_rows(conn):
-    cur = conn.execute(f"SELECT cap, {', '.join(COUNTERS + ADAPT)}, flushed_at "
+    cur = conn.execute(f"SELECT cap, {', '.join(COUNTERS + ADAPT + RATE)}, flushed_at "
                        "FROM stage_e_throttle_counter ORDER BY cap")
     names = [d.name for d in cur.description]
     return {row[0]: dict(zip(names[1:], row[1:])) for row in cur.fetchall()}
@@ -64,19 +66,31 @@ def test_admin_shows_each_caps_counter_row_read_only(cluster, db, connect):
     time.sleep(0.3)
     assert observer.execute("SELECT stage_e_renew('leases', %s, %s, '1 s')",
                             (slot, token)).fetchone()[0] is False
+    # A rate-limited cap (0.10.0): one acquisition an hour, so a second try finds its slot
+    # free and is refused by the rate, counted throttled and rate-limited.
+    observer.execute("SELECT stage_e_rate_limit('rated', 1, '1 hour')")
+    r = SlotConnection(dsn, application_name="worker-r")
+    assert r.try_slot(2, cap="rated") == 0
+    assert r.release(0, cap="rated") is True
+    assert r.try_slot(2, cap="rated") is None
+    r.close()
     observer.execute("SELECT * FROM stage_e_flush()")
     not_adaptive = dict.fromkeys(ADAPT)
+    no_rate = {**dict.fromkeys(RATE[:3]), "rate_limited": 0}
     expected = {
         "dispatch": {"acquired": 1, "throttled": 5, "released": 0, "foreign_releases": 0,
                      "released_by_exit": 1, "expired": 0, "adapt_min": 2, "adapt_max": 6,
-                     "adapt_enforce": True, "adapt_limit": 2},
+                     "adapt_enforce": True, "adapt_limit": 2, **no_rate},
         "exports": {"acquired": 1, "throttled": 3, "released": 1, "foreign_releases": 1,
-                    "released_by_exit": 0, "expired": 0, **not_adaptive},
+                    "released_by_exit": 0, "expired": 0, **not_adaptive, **no_rate},
         "leases": {"acquired": 1, "throttled": 0, "released": 0, "foreign_releases": 0,
-                   "released_by_exit": 0, "expired": 1, **not_adaptive},
+                   "released_by_exit": 0, "expired": 1, **not_adaptive, **no_rate},
+        "rated": {"acquired": 1, "throttled": 1, "released": 1, "foreign_releases": 0,
+                  "released_by_exit": 0, "expired": 0, **not_adaptive, "rate_count": 1,
+                  "rate_per": timedelta(hours=1), "rate_burst": 1, "rate_limited": 1},
     }
     before = counter_rows(observer)
-    assert {cap: {k: row[k] for k in COUNTERS + ADAPT}
+    assert {cap: {k: row[k] for k in COUNTERS + ADAPT + RATE}
             for cap, row in before.items()} == expected
     assert all(row["flushed_at"] is not None for row in before.values())
 
@@ -102,16 +116,21 @@ def test_admin_shows_each_caps_counter_row_read_only(cluster, db, connect):
     assert s["logged_in"] is True
     assert s["changelist_status"] == 200
     page = s["changelist_rows"]
-    assert sorted(page) == ["dispatch", "exports", "leases"]
+    assert sorted(page) == ["dispatch", "exports", "leases", "rated"]
     assert page["exports"]["throttled"] == "3" and page["dispatch"]["throttled"] == "5"
     for cap, row in expected.items():
         assert {k: page[cap][k] for k in COUNTERS} == {k: str(row[k]) for k in COUNTERS}
         assert page[cap]["flushed_at"] not in ("", "-")
     # The learned limit is a column; Django shows an empty one as "-".
     assert {cap: page[cap]["adapt_limit"] for cap in page} == {
-        "dispatch": "2", "exports": "-", "leases": "-"}
-    assert {cap: {k: r[k] for k in COUNTERS + ADAPT}
-            for cap, r in s["orm_rows"].items()} == expected
+        "dispatch": "2", "exports": "-", "leases": "-", "rated": "-"}
+    assert {cap: page[cap]["rate_limited"] for cap in page} == {
+        "dispatch": "0", "exports": "0", "leases": "0", "rated": "1"}
+    # The ORM reads every column of 0.10.0 (an interval as seconds, through the checker's JSON).
+    in_json = {cap: {k: v.total_seconds() if isinstance(v, timedelta) else v
+                     for k, v in row.items()} for cap, row in expected.items()}
+    assert {cap: {k: r[k] for k in COUNTERS + ADAPT + RATE}
+            for cap, r in s["orm_rows"].items()} == in_json
     assert {cap: r["flushed_at"] for cap, r in s["orm_rows"].items()} == {
         cap: r["flushed_at"].isoformat() for cap, r in before.items()}
 
@@ -127,6 +146,8 @@ def test_admin_shows_each_caps_counter_row_read_only(cluster, db, connect):
         "cap": "dispatch", "acquired": "1", "throttled": "5", "released_by_exit": "1",
         "expired": "0", "adapt_min": "2", "adapt_max": "6", "adapt_limit": "2"}
     assert {"waits", "wait_time", "hold_time", "hold_buckets", "wait_buckets", "lock_key",
-            "flush_id", "adapt_enforce", "adapt_baseline", "flushed_at"} <= set(fields)
+            "flush_id", "adapt_enforce", "adapt_baseline", "flushed_at", "rate_count",
+            "rate_per", "rate_burst", "rate_limited"} <= set(fields)
+    assert fields["rate_limited"] == "0"
     assert s["change_post_status"] == 403
     assert s["delete_status"] == 403 and s["delete_post_status"] == 403

@@ -19,7 +19,7 @@ class ThrottleCounterAdmin(_ModelAdmin):
     Without change permission, the change page shows every field as a read-only view."""
 
     list_display = ("cap", "acquired", "throttled", "released", "foreign_releases",
-                    "released_by_exit", "expired", "adapt_limit", "flushed_at")
+                    "released_by_exit", "expired", "adapt_limit", "rate_limited", "flushed_at")
     search_fields = ("cap",)
     ordering = ("cap",)
     fieldsets = (
@@ -30,6 +30,7 @@ class ThrottleCounterAdmin(_ModelAdmin):
                                         "hold_buckets", "wait_buckets"]}),
         ("Adaptive cap", {"fields": ["adapt_min", "adapt_max", "adapt_enforce", "adapt_limit",
                                      "adapt_baseline"]}),
+        ("Rate limit", {"fields": ["rate_count", "rate_per", "rate_burst", "rate_limited"]}),
         ("Internals", {"fields": ["lock_key", "flush_id"]}),
     )
 

@@ -7,8 +7,8 @@ it: the model is unmanaged, so migrations leave the table alone, and the admin i
 The rows lag the live counts by up to one flush interval; the view stage_e_throttle_totals (and
 ``manage.py stage_e_status``) adds what is still pending.
 
-The columns are those of the extension at 0.9.0 (``ALTER EXTENSION stage_e_slots UPDATE`` an
-older one). The table is looked up on the connection's search_path: if the extension lives in
+The columns are those of the extension at 0.10.0 (``ALTER EXTENSION stage_e_slots UPDATE`` an
+older one: reading the rows of an older table fails on the columns it lacks). The table is looked up on the connection's search_path: if the extension lives in
 another schema than public, put that schema on the search_path (OPTIONS in DATABASES).
 """
 
@@ -74,6 +74,15 @@ class ThrottleCounter(models.Model):
         null=True, help_text="The learned limit, as last written (a restart resumes from it).")
     adapt_baseline: MaybeDuration = models.DurationField(
         null=True, help_text="The baseline hold time the limit was learned against.")
+    rate_count: MaybeInt = models.IntegerField(
+        null=True, help_text="A rate-limited cap's count of calls per rate_per "
+                             "(stage_e_rate_limit); empty: no rate policy.")
+    rate_per: MaybeDuration = models.DurationField(
+        null=True, help_text="The interval rate_count is over (at most 1 day).")
+    rate_burst: MaybeInt = models.IntegerField(
+        null=True, help_text="How many acquisitions may come at once (1: none).")
+    rate_limited: Count = models.BigIntegerField(
+        help_text="Acquisitions throttled by the cap's rate policy (counted in throttled too).")
 
     class Meta:
         managed = False
