@@ -90,6 +90,12 @@ pub const UNIT: u64 = 720_720;
 /// A ceiling that never binds.
 pub const NO_CEILING: u32 = u32::MAX;
 
+/// What a grant of `k` slots at weight `weight` adds to its share's finish tag: `k / w` slots,
+/// exactly, in tag units (a grant and its projection in [`Fair::order`] charge the same).
+fn cost(k: u32, weight: u32) -> u64 {
+    k as u64 * (UNIT / weight.clamp(1, MAX_WEIGHT) as u64)
+}
+
 /// The most places [`Fair::order`] projects (the front has 4 seats).
 pub const ORDER_MAX: usize = 8;
 
@@ -454,7 +460,7 @@ impl<'a> Fair<'a> {
                 .min_by_key(|w| w.ticket);
             let m = (
                 i,
-                s + head_k as u64 * (UNIT / r.weight.clamp(1, MAX_WEIGHT) as u64),
+                s + cost(head_k, r.weight),
                 held.saturating_add(head_k),
                 if next.is_some() { waiting - 1 } else { 0 },
                 next.map_or(0, |n| n.ticket),
@@ -573,7 +579,7 @@ impl<'a> Fair<'a> {
         let s = self.clock.v.max(r.finish);
         // V < 2^62 here, F <= V + 2^52 (a charge leaves F - V at k·UNIT/w < 2^52: k < 2^32,
         // UNIT < 2^20), so the new F < 2^63.
-        r.finish = s + k as u64 * (UNIT / r.weight.clamp(1, MAX_WEIGHT) as u64);
+        r.finish = s + cost(k, r.weight);
         self.clock.v = s;
     }
 
