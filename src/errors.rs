@@ -263,6 +263,30 @@ pub fn describe(e: &SlotError) -> Described {
                     .into(),
             ),
         ),
+        SlotError::NoShareRecord { max, share } => said(
+            ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
+            "no room for another live share of this cap".into(),
+            format!(
+                "All share records this database may hold are live: {share}% \
+                 (stage_e_slots.database_share) of stage_e_slots.max_shares ({max}), and the \
+                 cap has no idle share to reuse; nothing was taken."
+            ),
+            Some(
+                "Use fewer distinct shares at once, or raise stage_e_slots.max_shares in \
+                 postgresql.conf and restart (or stage_e_slots.database_share for this \
+                 database)."
+                    .into(),
+            ),
+        ),
+        SlotError::MoreThanCeiling { k, ceiling } => said(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("k = {k} slots is more than the share may hold at once"),
+            format!(
+                "The share's max_slots (stage_e_share) is {ceiling}: an acquisition of {k} \
+                 slots could never be allowed."
+            ),
+            Some("Take at most max_slots at once, or raise the share's max_slots.".into()),
+        ),
         SlotError::MoreThanBurst { k, burst } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
             format!("k = {k} slots is more than the cap's rate allows at once"),
@@ -365,6 +389,36 @@ pub fn describe(e: &SlotError) -> Described {
             },
             format!("A cap name is 1 to {MAX_NAME} bytes, counted in UTF-8."),
             Some("Use a shorter name; a hash of a long key works (md5(key) is 32 bytes).".into()),
+        ),
+        SlotError::BadShareName(e) => said(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            match e {
+                NameError::Empty => "share name must not be empty".into(),
+                NameError::TooLong { len } => format!("share name is too long ({len} bytes)"),
+            },
+            format!("A share name is 1 to {MAX_NAME} bytes, counted in UTF-8, as a cap name."),
+            Some(
+                "Use a shorter name; a hash of a long tenant id works (md5(id) is 32 bytes)."
+                    .into(),
+            ),
+        ),
+        SlotError::BadShareWeight { weight } => said(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("share weight {weight} is out of range"),
+            format!(
+                "A share's weight is 1 to {}: its slots, when shares compete, in proportion \
+                 to the others' weights.",
+                stage_e_core::fair::MAX_WEIGHT
+            ),
+            Some("Use a weight from 1 to 16.".into()),
+        ),
+        SlotError::BadShareCeiling { ceiling } => said(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("share max_slots {ceiling} is out of range"),
+            "A share's max_slots is at least 1 (the most slots it holds at once), or NULL for \
+             no ceiling."
+                .into(),
+            Some("Use NULL for no ceiling.".into()),
         ),
         SlotError::CapTooLongHere { len, encoding } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,

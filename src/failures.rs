@@ -36,6 +36,19 @@ pub enum SlotError {
         max: u32,
         share: Option<(u32, u64)>,
     },
+    /// A new share refused: the pool of `max` share records (`stage_e_slots.max_shares`) has
+    /// none free, or the database holds its `share` percent of it, and the cap has no idle
+    /// share to reuse.
+    NoShareRecord {
+        max: u32,
+        share: u32,
+    },
+    /// An acquisition of more slots than its share's ceiling (`max_slots`): it could never be
+    /// allowed.
+    MoreThanCeiling {
+        k: u32,
+        ceiling: u32,
+    },
     /// Every rate policy record is in use (`stage_e_slots.max_rate_policies`).
     NoRatePolicyRecord {
         max: u32,
@@ -75,6 +88,16 @@ pub enum SlotError {
         max_slots: u32,
     },
     BadCapName(NameError),
+    /// A share name follows the cap-name rules (`directory::check_name`).
+    BadShareName(NameError),
+    /// A share's weight is 1 to `stage_e_core::fair::MAX_WEIGHT`.
+    BadShareWeight {
+        weight: i32,
+    },
+    /// A share's ceiling (`max_slots`) is at least 1, or NULL for none.
+    BadShareCeiling {
+        ceiling: i32,
+    },
     /// A cap name of a SQL_ASCII database that is not UTF-8: the first bad `bytes`, `at` bytes
     /// into the name.
     CapNotUtf8 {

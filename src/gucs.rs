@@ -18,6 +18,8 @@ pub const MAX_SLOT_MEMORY_KB: i32 = 1 << 20;
 pub const DEFAULT_MAX_LEASES: i32 = 4096;
 pub const MAX_MAX_LEASES: i32 = 1 << 20;
 pub const DEFAULT_MAX_ADAPTIVE_CAPS: i32 = 64;
+pub const DEFAULT_MAX_SHARES: i32 = 4096;
+pub const MAX_MAX_SHARES: i32 = 1 << 20;
 pub const DEFAULT_MAX_RATE_KEYS: i32 = 16_384;
 pub const MAX_MAX_RATE_KEYS: i32 = 1 << 24;
 pub const DEFAULT_MAX_RATE_POLICIES: i32 = 64;
@@ -38,6 +40,7 @@ pub const MAX_FLUSH_GIVE_UP_MS: i32 = 86_400_000;
 static MAX_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SLOTS);
 static MAX_ADAPTIVE_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_ADAPTIVE_CAPS);
 static MAX_RATE_KEYS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_RATE_KEYS);
+static MAX_SHARES: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SHARES);
 static MAX_RATE_POLICIES: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_RATE_POLICIES);
 static LOCK_KEY: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_LOCK_KEY);
 static MAX_CAPS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_CAPS);
@@ -131,6 +134,18 @@ pub fn init() {
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(
+        c"stage_e_slots.max_shares",
+        c"How many live shares (fair shares of caps, of all databases) can be kept at once.",
+        c"Each takes 48 bytes of shared memory. A share is live while it holds or waits for \
+          slots, or owes its last request; an idle one is forgotten. Full, a call in a new \
+          share is refused (SQLSTATE 53400).",
+        &MAX_SHARES,
+        16,
+        MAX_MAX_SHARES,
+        GucContext::Postmaster,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
         c"stage_e_slots.max_rate_policies",
         c"How many rate policies (stage_e_rate_limit, on caps or prefixes, of all databases) \
           can be set at once.",
@@ -201,9 +216,9 @@ pub fn init() {
     );
     GucRegistry::define_int_guc(
         c"stage_e_slots.database_share",
-        c"Percent of max_caps, max_leases, max_rate_keys and slot_memory that one database may hold.",
+        c"Percent of max_caps, max_leases, max_rate_keys, max_shares and slot_memory that one database may hold.",
         c"Like a database's connection limit: a database at its share is refused new caps, \
-          leases, rate keys or slot memory (SQLSTATE 53400) while others keep theirs. 100 (the default) \
+          leases, rate keys, shares or slot memory (SQLSTATE 53400) while others keep theirs. 100 (the default) \
           lets one database use it all. Only superusers may change it, also per database with \
           ALTER DATABASE ... SET.",
         &DATABASE_SHARE,
@@ -267,6 +282,10 @@ pub fn max_leases() -> u32 {
 
 pub fn max_rate_keys() -> u32 {
     MAX_RATE_KEYS.get() as u32
+}
+
+pub fn max_shares() -> u32 {
+    MAX_SHARES.get() as u32
 }
 
 pub fn max_rate_policies() -> u32 {

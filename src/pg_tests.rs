@@ -261,4 +261,135 @@ mod tests {
             "\"schéma\""
         );
     }
+
+    /// Issue 38's first server step (no SQL yet): a share's ceiling binds, the other shares and
+    /// a call without one (the cap's unnamed share, once the cap has shares) take the rest,
+    /// every release gives its slot back to its share (one of k, a release_all, a grow's
+    /// copy of the holder records in between), and a cap whose shares are all idle forgets
+    /// them, so that it can be reclaimed.
+    #[pg_test]
+    fn a_share_takes_within_its_ceiling_and_every_release_gives_back() {
+        use crate::shmem;
+        use crate::slots::{self, shares, SlotError};
+        settle();
+        let db = crate::session::database();
+        let a = shares::named("tenant-a", 1, Some(2)).unwrap();
+        let b = shares::named("tenant-b", 3, None).unwrap();
+        let unnamed = shares::unnamed();
+        let take = |s, n, k| {
+            slots::try_slots_in_share(Some("fair"), Some(n), Some(k), s)
+                .unwrap()
+                .map(|t| t.into_vec())
+        };
+        let held = |s: shares::Share| {
+            shmem::shares_of(db)
+                .iter()
+                .find(|i| i.digest == s.digest && i.cap == "fair")
+                .map(|i| i.held)
+        };
+        assert_eq!(take(a, 4, 1), Some(vec![0]));
+        assert_eq!(take(a, 4, 1), Some(vec![1]));
+        assert_eq!(take(a, 4, 1), None, "a is at its ceiling of 2");
+        assert_eq!(held(a), Some(2));
+        let info = shmem::shares_of(db);
+        let ia = info.iter().find(|i| i.digest == a.digest).unwrap();
+        assert_eq!((ia.weight, ia.ceiling, ia.waiting), (1, Some(2), 0));
+        assert_eq!(take(b, 4, 1), Some(vec![2]));
+        let info = shmem::shares_of(db);
+        let ib = info.iter().find(|i| i.digest == b.digest).unwrap();
+        assert_eq!((ib.weight, ib.ceiling, ib.held), (3, None, 1));
+        assert_eq!(
+            one::<i32>("SELECT stage_e_try_slot('fair', 4)"),
+            Some(3),
+            "a call without a share takes in the unnamed share"
+        );
+        assert_eq!(held(unnamed), Some(1));
+        assert_eq!(take(b, 4, 1), None, "the cap is full");
+        // A release gives its slot back to its share: a is under its ceiling again.
+        assert_eq!(one::<bool>("SELECT stage_e_release('fair', 0)"), Some(true));
+        assert_eq!(held(a), Some(1));
+        assert_eq!(take(a, 4, 1), Some(vec![0]));
+        // More than the ceiling at once could never be had: class 22.
+        assert!(matches!(
+            slots::try_slots_in_share(Some("fair"), Some(4), Some(3), a),
+            Err(SlotError::MoreThanCeiling { k: 3, ceiling: 2 })
+        ));
+        assert!(matches!(
+            shares::named("x", 17, None),
+            Err(SlotError::BadShareWeight { weight: 17 })
+        ));
+        assert!(matches!(
+            shares::named("x", 1, Some(0)),
+            Err(SlotError::BadShareCeiling { ceiling: 0 })
+        ));
+        assert!(matches!(
+            shares::named("", 1, None),
+            Err(SlotError::BadShareName(_))
+        ));
+        // k slots at once, in b; then the cap grows (its holder records are copied to a new
+        // block) and each of the k slots still gives back to b.
+        assert_eq!(one::<bool>("SELECT stage_e_release('fair', 2)"), Some(true));
+        assert_eq!(one::<bool>("SELECT stage_e_release('fair', 3)"), Some(true));
+        assert_eq!(held(unnamed), None, "an idle share is forgotten");
+        assert_eq!(take(b, 4, 2), Some(vec![2, 3]));
+        assert_eq!(held(b), Some(2));
+        assert_eq!(take(b, 64, 1), Some(vec![4]), "grown to 64 slots");
+        assert_eq!(held(b), Some(3));
+        assert_eq!(one::<bool>("SELECT stage_e_release('fair', 3)"), Some(true));
+        assert_eq!(held(b), Some(2));
+        assert_eq!(held(a), Some(2));
+        assert_eq!(one::<i32>("SELECT stage_e_release_all('fair')"), Some(4));
+        assert!(
+            shmem::shares_of(db).iter().all(|i| i.cap != "fair"),
+            "every share of the cap is idle, so forgotten"
+        );
+        let at = shmem::lookup(db, "fair").expect("cap fair").at;
+        assert!(shmem::reclaim_now(at), "a cap without shares is reclaimed");
+    }
+
+    /// A lease taken in a share gives its slot back to the share when it is released by its
+    /// token and when it expires.
+    #[pg_test]
+    fn a_lease_in_a_share_gives_back_when_released_and_when_expired() {
+        use crate::shmem;
+        use crate::slots::{self, shares};
+        use stage_e_core::wait::Wait;
+        settle();
+        let db = crate::session::database();
+        let a = shares::named("tenant-a", 2, Some(1)).unwrap();
+        let lease = |ttl_us| {
+            slots::lease(Some("fair_lease"), Some(2), Some(ttl_us), Wait::No, Some(a)).unwrap()
+        };
+        let held = || {
+            shmem::shares_of(db)
+                .iter()
+                .find(|i| i.digest == a.digest && i.cap == "fair_lease")
+                .map(|i| i.held)
+        };
+        let got = lease(60_000_000).expect("a lease");
+        assert_eq!(held(), Some(1));
+        assert!(lease(60_000_000).is_none(), "a is at its ceiling of 1");
+        assert_eq!(
+            one::<bool>(&format!(
+                "SELECT stage_e_release_lease('fair_lease', {}, {})",
+                got.slot, got.token
+            )),
+            Some(true)
+        );
+        assert_eq!(held(), None, "released: the share is idle, forgotten");
+        // A lease of 1 ms, expired by the next call's sweep: its share is given back, so the
+        // share, at its ceiling of 1 until then, takes again.
+        lease(1_000).expect("a short lease");
+        Spi::run("SELECT pg_sleep(0.05)").unwrap();
+        let again = lease(60_000_000).expect("the expired lease gave its slot back to a");
+        assert_eq!(held(), Some(1));
+        assert_eq!(
+            one::<bool>(&format!(
+                "SELECT stage_e_release_lease('fair_lease', {}, {})",
+                again.slot, again.token
+            )),
+            Some(true)
+        );
+        assert_eq!(held(), None);
+    }
 }

@@ -30,8 +30,8 @@ fn stage_e_lease(
     let _call = crate::report::calling("stage_e_lease");
     let wait = to_wait(wait);
     hooks::ensure();
-    let got =
-        slots::lease(cap.as_deref(), n, ttl.map(to_micros), wait).unwrap_or_else(|e| raise(e))?;
+    let got = slots::lease(cap.as_deref(), n, ttl.map(to_micros), wait, None)
+        .unwrap_or_else(|e| raise(e))?;
     // The result type is this function's own (in the extension's schema), found through the
     // call rather than by name, so search_path plays no part.
     // SAFETY: fcinfo and its flinfo are the live call's; get_func_rettype reads the syscache.

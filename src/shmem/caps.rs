@@ -96,6 +96,7 @@ impl CapEntry {
     fn idle(&self) -> bool {
         self.flush.idle()
             && self.waiters.count() == 0
+            && !self.has_shares()
             && self.pending().is_zero()
             && !self.held_at(now())
     }
@@ -354,6 +355,7 @@ impl Segment {
         let busy = self.occupied(e)
             || !e.flush.idle()
             || e.waiters.count() != 0
+            || e.has_shares()
             || (!dropped && (!e.pending().is_zero() || e.held_at(now())));
         if busy {
             e.state.unlock();
@@ -435,6 +437,7 @@ impl Segment {
         let (records, bits) = self.block(e);
         for (to, from) in records.iter().zip(old_records) {
             let (pid, at) = from.get();
+            to.set_share(from.share());
             to.set(pid, at);
         }
         for (to, from) in bits.iter().zip(old_bits) {

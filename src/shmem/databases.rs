@@ -137,6 +137,19 @@ pub(super) fn give_rate_share(db: u32) {
     }
 }
 
+/// Share records database `db`'s caps hold (`shares`, under the waits lock).
+pub(super) fn shares_of_database(db: u32) -> u32 {
+    record(db, false).map_or(0, |r| r.shares.load(Ordering::Relaxed))
+}
+
+/// Under the exclusive waits lock: database `db`'s caps hold `used` share records. A database
+/// without a record (the table full: a bug, it has one per database) is not counted.
+pub(super) fn set_shares_of_database(db: u32, used: u32) {
+    if let Some(r) = record(db, used != 0) {
+        r.shares.store(used, Ordering::Relaxed);
+    }
+}
+
 /// Rate keys database `db` holds in the table (idle ones not yet reclaimed too).
 pub(super) fn rate_keys_of(db: u32) -> u32 {
     record(db, false).map_or(0, |r| r.rate_keys.load(Ordering::Acquire))
@@ -245,6 +258,7 @@ pub(super) fn forget_database(db: u32) {
         r.state.store(UNLOADED, Ordering::Relaxed);
         r.leases.store(0, Ordering::Relaxed);
         r.rate_keys.store(0, Ordering::Relaxed);
+        r.shares.store(0, Ordering::Relaxed);
         r.oid.store(0, Ordering::Release);
     }
 }

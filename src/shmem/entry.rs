@@ -13,6 +13,7 @@
 //! every call bumps (with the fencing token and the lease fields) have lines of their own.
 
 use super::records::{load_name, store_name, Durable, Histograms, HotCounters, NAME_WORDS};
+use stage_e_core::fair::Clock;
 use stage_e_core::flush::FlushBook;
 use stage_e_core::load::Averages;
 use stage_e_core::queue::{WaitLine, Waiters};
@@ -51,6 +52,10 @@ pub(super) struct CapEntry {
     /// Load averages over 1, 5 and 15 minutes, written by the launcher only (`load`); the
     /// throttle average is in the hot counters' lines, where there was room.
     pub(super) load_held: Averages,
+    /// The cap's fair-share clock (`stage_e_core::fair::Clock::pack`): its virtual time, its
+    /// waiters in shares and its chain of share records, written under the waits lock
+    /// (`shares`); in 16 bytes that were padding before the durable line.
+    pub(super) clock: [AtomicU64; 2],
     /// The committed lease horizon and token floor, the hold, the journal (`committed`).
     pub(super) durable: Durable,
     /// The hold and wait histograms, and what of them is flushed (`histograms`).
@@ -111,6 +116,20 @@ impl CapEntry {
     pub(super) fn set_block(&self, page: u32, capacity: u32) {
         self.block.store(page, Ordering::Relaxed);
         self.capacity.store(capacity, Ordering::Relaxed);
+    }
+
+    /// The fair-share clock (`shares`, which writes it under the waits lock).
+    pub(super) fn clock(&self) -> Clock {
+        Clock::unpack([
+            self.clock[0].load(Ordering::Relaxed),
+            self.clock[1].load(Ordering::Relaxed),
+        ])
+    }
+
+    /// Whether the cap has a chain of share records (without a lock: `shares`). A cap with one
+    /// is not reclaimed (the records would be lost to the pool).
+    pub(super) fn has_shares(&self) -> bool {
+        Clock::has_shares(self.clock[1].load(Ordering::Acquire))
     }
 
     pub(super) fn name(&self) -> String {

@@ -198,18 +198,23 @@ impl Cap {
         r.lock_for(self.at, slot).then(|| f(r))
     }
 
-    /// Frees the lease in `r` (locked by the caller): the slot record, the bit, the record;
-    /// wakes the waiters the slot may serve.
+    /// Frees the lease in `r` (locked by the caller): the slot record, the bit, the record, and
+    /// the slot's share (`shares`); wakes the waiters the slot may serve.
     fn end_lease(&self, r: &LeaseRecord) -> LeaseInfo {
         let bits = self.bits();
+        let mut share = 0;
         let info = r.end(
             &self.entry().counters.leases,
             |l| {
-                self.record(l.slot).clear();
+                let record = self.record(l.slot);
+                share = record.share();
+                record.clear();
                 occupancy::clear(bits, l.slot);
             },
             || databases::give_lease_share(self.database()),
         );
+        // The record is free again (no lease lock is held across the waits lock).
+        self.give_back_share(share, 1);
         self.note_lease_change();
         self.wake_front();
         info

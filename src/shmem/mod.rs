@@ -9,6 +9,8 @@
 //! - finding and making caps: `lookup`, `create`, `grow`, `key_now`, `first_key`, `caps`,
 //!   `cap_refs`, `busy_caps`, `databases`, `databases_with_pending`, `reclaim_database`, `usage`;
 //! - waiting: `dequeue`, `waiters_of`, [`WaiterInfo`];
+//! - fair shares: `Cap::has_shares`, `Cap::fair`, `Cap::give_back_share`, `shares_of`,
+//!   [`ShareInfo`];
 //! - leases: `caps_with_leases_due`, [`LeaseCheck`], [`LeaseInfo`], [`LeaseRefused`];
 //! - load averages: `sample_load`, `load_of`, [`Load`];
 //! - rate keys: `try_rate`, `peek_rate`, `any_rate_policy`, `note_rates_recovered`, [`NoRoom`]; rate policies:
@@ -41,12 +43,13 @@
 //! 8. `databases`: the table of databases: loaded, lease shares, flusher commits, start kind
 //! 9. `caps`: finding, creating, growing and reclaiming caps
 //! 10. `waitq`: a cap's queue of waiters (`stage_e_core::queue`'s line, placed in the entry)
-//! 11. `leases`: slots held by a token (`stage_e_core::lease`'s records), and fencing tokens
-//! 12. `committed`: the committed lease horizon and token floor, holds, the journal
-//! 13. `policies`: adaptive caps' policies and what they learned, the enforced limit
-//! 14. `load`: load averages, sampled by the launcher
-//! 15. `rates`: rate keys (`stage_e_core::rate`'s table, placed in the segment), their room
-//! 16. `persist`: the startup hook; pending counts, leases and rate keys across a clean restart
+//! 11. `shares`: fair shares of caps (`stage_e_core::fair`'s clock and pool, placed)
+//! 12. `leases`: slots held by a token (`stage_e_core::lease`'s records), and fencing tokens
+//! 13. `committed`: the committed lease horizon and token floor, holds, the journal
+//! 14. `policies`: adaptive caps' policies and what they learned, the enforced limit
+//! 15. `load`: load averages, sampled by the launcher
+//! 16. `rates`: rate keys (`stage_e_core::rate`'s table, placed in the segment), their room
+//! 17. `persist`: the startup hook; pending counts, leases and rate keys across a clean restart
 
 mod caps;
 mod committed;
@@ -63,6 +66,7 @@ mod policies;
 mod rates;
 mod records;
 mod segment;
+mod shares;
 mod waitq;
 
 pub use caps::{
@@ -92,11 +96,13 @@ pub use policies::{
 };
 pub use rates::{
     any_rate_policy, clear_rate_policies, note_recovered as note_rates_recovered, peek_rate,
-    rate_policies, rate_policy, rate_policy_room, reserve_rate_policies, set_rate_policy, try_rate,
-    unreserve_rate_policies, NoRoom, RatePolicy,
+    rate_policies, rate_policy, rate_policy_room, reserve_rate_policies, set_rate_policy,
+    share_digest, try_rate, unreserve_rate_policies, NoRoom, RatePolicy,
 };
 pub use records::MAX_DATABASES;
 pub use segment::attached;
+#[cfg_attr(not(feature = "pg_test"), allow(unused_imports))] // until the views use it
+pub use shares::shares_of;
 pub use stage_e_core::counters::Counter;
 pub use stage_e_core::state::CapRef;
 pub use waitq::{dequeue, waiters_of, Ticket, WaiterInfo};

@@ -117,12 +117,25 @@ pub fn peek_rate(db: u32, space: Space, name: &[u8], rate: Rate, cost: u32) -> D
     table(seg).peek(&call(seg, db, space, name, rate, cost))
 }
 
-fn call(seg: &Segment, db: u32, space: Space, name: &[u8], rate: Rate, cost: u32) -> Call {
+fn secret(seg: &Segment) -> [u64; 2] {
     let h = &seg.header.rates;
-    let secret = [
+    [
         h.secret[0].load(Ordering::Relaxed),
         h.secret[1].load(Ordering::Relaxed),
-    ];
+    ]
+}
+
+/// The digest of share `name` of database `db` (`stage_e_core::fair::Share::digest`): keyed
+/// with the server's secret, as rate keys are, so that no tenant can pick a name whose digest
+/// is another's (it would share the other's place and ceiling).
+pub fn share_digest(db: u32, name: &str) -> u64 {
+    let seg = segment().expect("callers check that the segment is attached");
+    rate::digest(secret(seg), db, Space::Share, name.as_bytes())
+}
+
+fn call(seg: &Segment, db: u32, space: Space, name: &[u8], rate: Rate, cost: u32) -> Call {
+    let h = &seg.header.rates;
+    let secret = secret(seg);
     let now = now();
     let spent = h.spent_since.load(Ordering::Acquire);
     let fresh = if spent == 0 {

@@ -191,6 +191,9 @@ pub(super) struct DbRecord {
     pub(super) leases: AtomicU32,
     /// Rate keys of this database in the table (its share of `stage_e_slots.max_rate_keys`).
     pub(super) rate_keys: AtomicU32,
+    /// Share records this database's caps hold (its share of `stage_e_slots.max_shares`;
+    /// changed under the waits lock, `shares`).
+    pub(super) shares: AtomicU32,
 }
 
 /// A rate policy on a cap, or on every cap whose name starts with a prefix (`rates`).

@@ -22,6 +22,7 @@ use crate::gucs;
 use pgrx::pg_sys;
 use stage_e_core::arena::{self, Buddy};
 use stage_e_core::directory::{self, Index};
+use stage_e_core::fair::ShareRecord;
 use stage_e_core::layout::{self, Counts, Layout, Sizes};
 use stage_e_core::lease::{token_base, LeaseRecord};
 use stage_e_core::lifecycle::TokenCounter;
@@ -45,6 +46,8 @@ pub(super) struct Header {
     /// The last fencing token handed out, of any cap (`leases`).
     pub(super) tokens: TokenCounter,
     pub(super) rates: RateHeader,
+    /// The pool of share records' head (`stage_e_core::fair::PoolHead::pack`; `shares`).
+    pub(super) share_pool: AtomicU64,
 }
 
 const _: () = assert!(size_of::<Header>().is_multiple_of(layout::CACHE_LINE));
@@ -54,6 +57,7 @@ const SIZES: Sizes = Sizes {
     entry: size_of::<CapEntry>(),
     waiter: size_of::<WaiterRecord>(),
     lease: size_of::<LeaseRecord>(),
+    share: size_of::<ShareRecord>(),
     policy: POLICY_SIZE,
     rate_policy: RATE_POLICY_SIZE,
     rate: size_of::<RateRecord>(),
@@ -71,6 +75,7 @@ fn counts_from_settings() -> (Counts, u32) {
         caps: gucs::max_caps(),
         waiters: backends,
         leases: gucs::max_leases(),
+        shares: gucs::max_shares(),
         policies: gucs::max_adaptive_caps(),
         rate_policies: gucs::max_rate_policies(),
         rate_records: rate::records_for(gucs::max_rate_keys()) as u32,
@@ -93,6 +98,10 @@ pub(super) struct Segment {
     pub(super) entries: &'static [CapEntry],
     pub(super) waiters: &'static [WaiterRecord],
     pub(super) leases: &'static [LeaseRecord],
+    /// The share records (plain data, not atomics: changed only under the exclusive waits
+    /// lock, read under it; `shares`), and how many.
+    pub(super) shares: *mut ShareRecord,
+    pub(super) shares_len: usize,
     pub(super) policies: &'static [PolicyRecord],
     pub(super) rate_policies: &'static [RatePolicyRecord],
     pub(super) rate_records: &'static [RateRecord],
@@ -204,7 +213,8 @@ impl Segment {
         // SAFETY: per the caller, every part lies inside the segment at the offset the layout
         // gives, which is aligned for its type (the header and hazards to a cache line, the
         // rest to 8 bytes; the rate locks, after 24-byte records, to 4), and is valid zeroed
-        // or as last written (atomics only).
+        // or as last written (atomics only, but the share records, plain data that only the
+        // waits lock's holder touches).
         unsafe {
             let header = &*(base as *const Header);
             let c = header.counts;
@@ -215,6 +225,8 @@ impl Segment {
                 entries: std::slice::from_raw_parts(part(l.entries).cast(), c.caps as usize),
                 waiters: std::slice::from_raw_parts(part(l.waiters).cast(), c.waiters as usize),
                 leases: std::slice::from_raw_parts(part(l.leases).cast(), c.leases as usize),
+                shares: part(l.shares).cast(),
+                shares_len: c.shares as usize,
                 policies: std::slice::from_raw_parts(part(l.policies).cast(), c.policies as usize),
                 rate_policies: std::slice::from_raw_parts(
                     part(l.rate_policies).cast(),

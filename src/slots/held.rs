@@ -38,8 +38,11 @@ pub(super) fn drop_bookkeeping(near: Option<&Cap>, held: Held, released_at: Opti
         let (records, bits) = cap.block();
         let record = &records[held.slot as usize];
         let acquired_at = record.get().1;
+        let share = record.share();
         record.clear();
         occupancy::clear(bits, held.slot);
+        // After the bit: a share at its ceiling takes no slot before its own is free.
+        cap.give_back_share(share, 1);
         cap.wake_front();
         if let Some(now) = released_at.filter(|_| acquired_at != 0) {
             // Adding 0 (taken and given back in one statement) would cost a locked add on a

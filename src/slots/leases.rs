@@ -33,12 +33,14 @@ pub enum LeaseOutcome {
 }
 
 /// `stage_e_lease(cap, n, ttl, wait)`: a slot of `[0, n)` held by a token for `ttl`, waiting up
-/// to `wait` for one like a session slot; None when throttled.
+/// to `wait` for one like a session slot; None when throttled. In `share` (`super::shares`),
+/// without a wait only, until waiting in a share is built.
 pub fn lease(
     cap: Option<&str>,
     n: Option<i32>,
     ttl_us: Option<i64>,
     wait: Wait,
+    share: Option<super::shares::Share>,
 ) -> Result<Option<Got>, SlotError> {
     let ttl_us = check_ttl(ttl_us)?;
     let kind = Kind::Lease { ttl_us };
@@ -47,10 +49,10 @@ pub fn lease(
     // no pin of the cap (`admission`: a grow of the cap would wait for it, and the advance for
     // the grow); the advance leaves a step of room, so the second try fits.
     for _ in 0..3 {
-        let got = match acquire(cap, n, Some(1), wait, kind) {
+        let got = match acquire(cap, n, Some(1), wait, kind, share) {
             // Every lease record is live: free the expired ones of every cap, and try once more.
             Err(SlotError::NoLeaseRecord { .. }) if expire_leases_everywhere() > 0 => {
-                acquire(cap, n, Some(1), wait, kind)
+                acquire(cap, n, Some(1), wait, kind, share)
             }
             other => other,
         };

@@ -25,6 +25,7 @@ pub mod held;
 mod leases;
 pub mod limits;
 pub mod rates;
+pub mod shares;
 pub mod views;
 pub mod waiting;
 
@@ -241,7 +242,20 @@ pub fn try_slots(
     k: Option<i32>,
     wait: Wait,
 ) -> Result<Option<Taken>, SlotError> {
-    acquire(cap, n, k, wait, Kind::Session)
+    acquire(cap, n, k, wait, Kind::Session, None)
+}
+
+/// k slots of `[0, n)` in `share` (`shares::named`), taken now or None: what
+/// `stage_e_try_slots(cap, n, k, wait, share)` is to do without a wait (issue 38; its SQL
+/// and its wait are the next steps; until the SQL names shares, only the tests do).
+#[cfg_attr(not(feature = "pg_test"), allow(dead_code))] // until the SQL surface uses it
+pub fn try_slots_in_share(
+    cap: Option<&str>,
+    n: Option<i32>,
+    k: Option<i32>,
+    share: shares::Share,
+) -> Result<Option<Taken>, SlotError> {
+    acquire(cap, n, k, Wait::No, Kind::Session, Some(share))
 }
 
 /// The acquisition pipeline, one named stage per concern, so that a new check is one more
@@ -261,6 +275,7 @@ fn acquire(
     k: Option<i32>,
     wait: Wait,
     kind: Kind,
+    share: Option<shares::Share>,
 ) -> Result<Option<Taken>, SlotError> {
     let Some(Admitted {
         cap,
@@ -273,12 +288,51 @@ fn acquire(
         return Ok(None); // throttled, counted
     };
     let gate = gate.as_deref();
+    // A call in a share, or on a cap with shares (one load), through the cap's fair queue.
+    if share.is_some() || cap.has_shares() {
+        return in_share(cap, n, k, wait, kind, gate, share);
+    }
     // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
     // at the slots no waiter can use.
     if cap.waiters() == 0 {
-        if let Some(got) = take(&cap, n, k, 0, session::statement_start(), kind, gate)? {
+        if let Some(got) = take(&cap, n, k, 0, session::statement_start(), kind, gate, 0)? {
             return Ok(Some(record(&cap, k, got)));
         }
+    }
+    not_taken(cap, n, k, wait, kind, gate)
+}
+
+/// A call in `share` (None: the cap's unnamed share) on a cap with shares (`shares`): taken
+/// now through the fair queue, or (after freeing what expired, as `not_taken` does) throttled;
+/// a call of the unnamed share that waits queues in arrival order (`shares`' header). Only
+/// calls without a wait name a share until waiting in a share is built.
+#[cold]
+#[inline(never)]
+fn in_share(
+    cap: Cap,
+    n: u32,
+    k: u32,
+    wait: Wait,
+    kind: Kind,
+    gate: Option<&rates::Gate>,
+    share: Option<shares::Share>,
+) -> Result<Option<Taken>, SlotError> {
+    debug_assert!(share.is_none() || matches!(wait, Wait::No));
+    let named = share.is_some();
+    let share = share.unwrap_or_else(shares::unnamed);
+    let now = session::statement_start();
+    if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, share)? {
+        return Ok(Some(record(&cap, k, got)));
+    }
+    let expired = expire_due(&cap);
+    if held::reconcile_cap(&cap) + expired > 0 {
+        if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, share)? {
+            return Ok(Some(record(&cap, k, got)));
+        }
+    }
+    if named || matches!(wait, Wait::No) {
+        rates::count_throttled(cap.counters(), gate);
+        return Ok(None);
     }
     not_taken(cap, n, k, wait, kind, gate)
 }
@@ -433,7 +487,7 @@ fn not_taken(
     };
     if let Some(from) = from {
         if waiters {
-            if let Some(got) = take(&cap, n, k, from, now, kind, gate)? {
+            if let Some(got) = take(&cap, n, k, from, now, kind, gate, 0)? {
                 return Ok(Some(record(&cap, k, got)));
             }
         }
@@ -442,7 +496,7 @@ fn not_taken(
         // have expired. Free those and look once more; without either, this costs two loads.
         let expired = expire_due(&cap);
         if held::reconcile_cap(&cap) + expired > 0 {
-            if let Some(got) = take(&cap, n, k, from, now, kind, gate)? {
+            if let Some(got) = take(&cap, n, k, from, now, kind, gate, 0)? {
                 return Ok(Some(record(&cap, k, got)));
             }
         }
@@ -477,8 +531,10 @@ fn waits_for_itself(cap: &Cap, n: u32, k: u32) -> bool {
 /// Takes `k` slots of `[from, n)`, all or none, the lowest free ones; `at` is their
 /// acquisition time. Leases are taken one at a time. On a rate-limited cap (`gate`), the rate
 /// is charged once the slots are taken and before they are handed out; they are given back
-/// when it refuses (both or neither).
+/// when it refuses (both or neither). `share` is where the slots' share is (`shares`; 0:
+/// none), written into their holder records before they are published.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(super) fn take(
     cap: &Cap,
     n: u32,
@@ -487,12 +543,13 @@ pub(super) fn take(
     at: i64,
     kind: Kind,
     gate: Option<&rates::Gate>,
+    share: u32,
 ) -> Result<Option<Taken>, SlotError> {
     if k == 1 {
         // The common case, without the bookkeeping below.
-        return Ok(search(cap, from, n, at, kind, gate)?.map(Taken::One));
+        return Ok(search(cap, from, n, at, kind, gate, share)?.map(Taken::One));
     }
-    take_many(cap, n, k, from, at, gate)
+    take_many(cap, n, k, from, at, gate, share)
 }
 
 #[inline(never)]
@@ -503,10 +560,11 @@ fn take_many(
     from: u32,
     at: i64,
     gate: Option<&rates::Gate>,
+    share: u32,
 ) -> Result<Option<Taken>, SlotError> {
     let mut got = Vec::with_capacity(k as usize);
     while got.len() < k as usize {
-        match search(cap, from, n, at, Kind::Session, None)? {
+        match search(cap, from, n, at, Kind::Session, None, share)? {
             Some(g) => got.push(g),
             None => break,
         }
@@ -550,7 +608,7 @@ fn give_back(cap: &Cap, got: Vec<Got>) {
 
 /// Takes the lowest slot of `[from, n)` that is clear in the bitmap and free in the lock
 /// manager; `at` is recorded as a session slot's acquisition time (a lease's is the clock's
-/// now).
+/// now), `share` as its share (0: none).
 fn search(
     cap: &Cap,
     from: u32,
@@ -558,6 +616,7 @@ fn search(
     at: i64,
     kind: Kind,
     gate: Option<&rates::Gate>,
+    share: u32,
 ) -> Result<Option<Got>, SlotError> {
     let key = cap.key();
     let (records, bits) = cap.block();
@@ -589,6 +648,9 @@ fn search(
                     }
                 }
                 let token = cap.next_token();
+                // Ours (the bit is claimed) and not yet published: a release of the slot
+                // reads its share only once its holder is set.
+                records[slot as usize].set_share(share);
                 match kind {
                     Kind::Session => {
                         records[slot as usize].set(session::pid(), at);
@@ -603,7 +665,10 @@ fn search(
                     // that no raw advisory lock holds the slot. The set bit keeps others off it;
                     // on an error, dropping `claim` clears it.
                     Kind::Lease { ttl_us } => {
-                        if !grant_lease(cap, key, slot, token, ttl_us, gate)? {
+                        let granted = grant_lease(cap, key, slot, token, ttl_us, gate);
+                        if !matches!(granted, Ok(true)) {
+                            records[slot as usize].set_share(0);
+                            granted?;
                             return Ok(None); // the rate refused; dropping `claim` clears the bit
                         }
                     }

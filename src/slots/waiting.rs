@@ -105,7 +105,7 @@ pub(super) fn wait_in_line(
         super::expire_due(&cap); // wakes the waiters that the freed slots serve, us included
         let mut rate_wait = None;
         if let Some(from) = cap.may_take(ticket) {
-            if let Some(got) = super::take(&cap, n, k, from, session::now(), kind, gate)? {
+            if let Some(got) = super::take(&cap, n, k, from, session::now(), kind, gate, 0)? {
                 drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
                 let waited = waited();

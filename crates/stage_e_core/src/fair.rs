@@ -134,6 +134,28 @@ pub struct ShareRecord {
     next: u32,
 }
 
+impl Clock {
+    /// The clock as two words, for shared memory that keeps it in atomics (written only under
+    /// the queue lock; [`Clock::unpack`] reads it back).
+    pub fn pack(&self) -> [u64; 2] {
+        [self.v, self.waiting as u64 | (self.first as u64) << 32]
+    }
+
+    pub fn unpack(words: [u64; 2]) -> Self {
+        Clock {
+            v: words[0],
+            waiting: words[1] as u32,
+            first: (words[1] >> 32) as u32,
+        }
+    }
+
+    /// Whether the cap has a chain of share records, from its second word alone: a reader
+    /// without the queue lock may look (a cap without shares keeps its path unchanged).
+    pub fn has_shares(second_word: u64) -> bool {
+        second_word >> 32 != 0
+    }
+}
+
 impl ShareRecord {
     fn idle(&self) -> bool {
         self.held == 0 && self.waiting == 0
@@ -147,6 +169,20 @@ impl ShareRecord {
 pub struct PoolHead {
     free: u32,
     high: u32,
+}
+
+impl PoolHead {
+    /// The head as one word, as [`Clock::pack`] does.
+    pub fn pack(&self) -> u64 {
+        self.free as u64 | (self.high as u64) << 32
+    }
+
+    pub fn unpack(word: u64) -> Self {
+        PoolHead {
+            free: word as u32,
+            high: (word >> 32) as u32,
+        }
+    }
 }
 
 /// The pool of share records as one step borrows it (under the queue lock): its records, its
@@ -201,6 +237,39 @@ pub enum Refused {
     /// The pool (or the database's share of it) is taken, and the cap has no idle record to
     /// reuse.
     Full,
+}
+
+/// A live share as the views show it (its record, read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShareView {
+    pub digest: u64,
+    pub weight: u32,
+    /// [`NO_CEILING`]: none.
+    pub ceiling: u32,
+    pub held: u32,
+    pub waiting: u32,
+}
+
+/// The live shares of the cap whose clock is `clock`, from the pool's `records` (read under
+/// the queue lock, in either mode): those that hold or wait for slots (a record that only
+/// owes its last request is not shown: it is forgotten as soon as that is paid).
+pub fn live_shares<'r>(
+    clock: &Clock,
+    records: &'r [ShareRecord],
+) -> impl Iterator<Item = ShareView> + 'r {
+    Chain {
+        shares: records,
+        at: clock.first,
+    }
+    .map(|i| &records[i])
+    .filter(|r| r.digest != 0 && !r.idle())
+    .map(|r| ShareView {
+        digest: r.digest,
+        weight: r.weight,
+        ceiling: r.ceiling,
+        held: r.held,
+        waiting: r.waiting,
+    })
 }
 
 /// A cap's fair queue: its clock and the pool that holds its chain of shares, borrowed for one

@@ -10,7 +10,7 @@
 //! that see the bit set see the owner's record, or zeros while the owner is between its claim
 //! and its `set`.
 
-use crate::sync::{AtomicI32, AtomicI64, Ordering};
+use crate::sync::{AtomicI32, AtomicI64, AtomicU32, Ordering};
 
 /// One slot's holder (zeroed memory: nobody). The arena sizes blocks by its size
 /// (`arena::RECORD`).
@@ -18,7 +18,9 @@ use crate::sync::{AtomicI32, AtomicI64, Ordering};
 #[derive(Default)]
 pub struct SlotRecord {
     pid: AtomicI32,
-    _pad: u32,
+    /// Where the share the slot was taken in is (`fair::ShareAt`: a pool index plus one), or
+    /// 0 for none (a cap without shares). Written with the holder, read by its release.
+    share: AtomicU32,
     acquired_at: AtomicI64,
 }
 
@@ -31,6 +33,18 @@ impl SlotRecord {
     pub fn clear(&self) {
         self.pid.store(0, Ordering::Release);
         self.acquired_at.store(0, Ordering::Relaxed);
+        self.share.store(0, Ordering::Relaxed);
+    }
+
+    /// The share the slot was taken in (set by its holder after `set`, before anyone can
+    /// release it, as it is the holder who releases).
+    pub fn set_share(&self, at: u32) {
+        self.share.store(at, Ordering::Relaxed);
+    }
+
+    /// The share the slot was taken in, 0 for none: read by the release before `clear`.
+    pub fn share(&self) -> u32 {
+        self.share.load(Ordering::Relaxed)
     }
 
     /// `(pid, acquired_at)`, pid 0 when nobody holds the slot through the extension.

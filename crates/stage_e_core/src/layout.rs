@@ -8,6 +8,7 @@
 //! entry × caps                a cap's fixed part (`shmem::entry`)
 //! waiter × waiters            who waits for which cap, one per backend (`shmem::waitq`)
 //! lease × leases              slots held by a token (`shmem::leases`)
+//! share × shares              the live shares of caps, one pool (`fair`, `shmem::shares`)
 //! policy × policies           adaptive caps' bounds and what they learned (`shmem::adaptive`)
 //! rate policy × rate_policies rate policies on caps and prefixes (`shmem::rates`)
 //! rate × rate_records         rate keys' arrival times (`rate`, `shmem::rates`)
@@ -33,6 +34,8 @@ pub struct Counts {
     pub caps: u32,
     pub waiters: u32,
     pub leases: u32,
+    /// Share records (`fair::ShareRecord`), one pool for every cap.
+    pub shares: u32,
     pub policies: u32,
     pub rate_policies: u32,
     /// Records of the rate table (`rate::records_for`: a multiple of its bucket).
@@ -49,6 +52,7 @@ pub struct Sizes {
     pub entry: usize,
     pub waiter: usize,
     pub lease: usize,
+    pub share: usize,
     pub policy: usize,
     pub rate_policy: usize,
     pub rate: usize,
@@ -61,6 +65,7 @@ pub struct Layout {
     pub entries: usize,
     pub waiters: usize,
     pub leases: usize,
+    pub shares: usize,
     pub policies: usize,
     pub rate_policies: usize,
     pub rates: usize,
@@ -79,7 +84,8 @@ impl Layout {
         let entries = s.header;
         let waiters = entries + c.caps as usize * s.entry;
         let leases = waiters + c.waiters as usize * s.waiter;
-        let policies = leases + c.leases as usize * s.lease;
+        let shares = leases + c.leases as usize * s.lease;
+        let policies = shares + c.shares as usize * s.share;
         let rate_policies = policies + c.policies as usize * s.policy;
         let rates = rate_policies + c.rate_policies as usize * s.rate_policy;
         let rate_locks = rates + c.rate_records as usize * s.rate;
@@ -95,6 +101,7 @@ impl Layout {
             entries,
             waiters,
             leases,
+            shares,
             policies,
             rate_policies,
             rates,
@@ -128,6 +135,7 @@ mod unit {
         entry: 704,
         waiter: 48,
         lease: 48,
+        share: 48,
         policy: 256,
         rate_policy: 128,
         rate: 24,
@@ -145,6 +153,7 @@ mod unit {
                 caps,
                 waiters,
                 leases,
+                shares: leases / 2 + 1,
                 policies,
                 rate_policies: policies + 1,
                 rate_records,
@@ -156,7 +165,9 @@ mod unit {
             assert_eq!(l.entries, SIZES.header);
             assert_eq!(l.waiters - l.entries, caps as usize * SIZES.entry);
             assert_eq!(l.leases - l.waiters, waiters as usize * SIZES.waiter);
-            assert_eq!(l.policies, l.leases + leases as usize * SIZES.lease);
+            assert_eq!(l.shares, l.leases + leases as usize * SIZES.lease);
+            assert!(l.shares.is_multiple_of(8), "share records are 8-aligned");
+            assert_eq!(l.policies, l.shares + c.shares as usize * SIZES.share);
             assert_eq!(
                 l.rate_policies,
                 l.policies + policies as usize * SIZES.policy

@@ -64,6 +64,8 @@ pub fn records_for(keys: u32) -> usize {
 pub enum Space {
     Key = 0,
     Cap = 1,
+    /// A fair share's name (`fair::Share::digest`).
+    Share = 2,
 }
 
 /// The digest of key `name` of database `db` in `space` under `secret` (SipHash-1-3): never 0.

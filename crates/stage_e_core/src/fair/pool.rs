@@ -137,3 +137,55 @@ fn random_steps_on_caps_sharing_a_pool_keep_its_lists_whole() {
         assert_eq!(t.used, 0, "seed {seed}: every record back in the pool");
     }
 }
+
+/// What shared memory keeps in atomics comes back as it was: the clock's two words (its chain
+/// link readable from the second alone, without the lock) and the pool's head word.
+#[test]
+fn clock_and_pool_head_pack_into_words_and_back() {
+    let mut t = Shares::new(4);
+    let mut clock = Clock::default();
+    assert!(!Clock::has_shares(clock.pack()[1]));
+    let a = share(7, 2, 3);
+    {
+        let mut f = Fair::new(&mut clock, t.pool());
+        f.join(a, 1, 1).unwrap();
+        f.took_now(share(9, 1, NO_CEILING), 1).unwrap();
+    }
+    let words = clock.pack();
+    assert_eq!(Clock::unpack(words), clock);
+    assert!(Clock::has_shares(words[1]));
+    assert_eq!(PoolHead::unpack(t.head.pack()), t.head);
+    let edge = PoolHead {
+        free: u32::MAX,
+        high: 1,
+    };
+    assert_eq!(PoolHead::unpack(edge.pack()), edge);
+    let edge = Clock {
+        v: u64::MAX,
+        waiting: u32::MAX,
+        first: 1,
+    };
+    assert_eq!(Clock::unpack(edge.pack()), edge);
+    // The views' reading of the chain: both shares, their policy and counts.
+    let mut live: Vec<ShareView> = live_shares(&clock, &t.records).collect();
+    live.sort_by_key(|s| s.digest);
+    assert_eq!(
+        live,
+        vec![
+            ShareView {
+                digest: 7,
+                weight: 2,
+                ceiling: 3,
+                held: 0,
+                waiting: 1
+            },
+            ShareView {
+                digest: 9,
+                weight: 1,
+                ceiling: NO_CEILING,
+                held: 1,
+                waiting: 0
+            },
+        ]
+    );
+}
