@@ -271,13 +271,14 @@ mod tests {
     fn a_share_takes_within_its_ceiling_and_every_release_gives_back() {
         use crate::shmem;
         use crate::slots::{self, shares, SlotError};
+        use stage_e_core::wait::Wait;
         settle();
         let db = crate::session::database();
         let a = shares::named("tenant-a", 1, Some(2)).unwrap();
         let b = shares::named("tenant-b", 3, None).unwrap();
         let unnamed = shares::unnamed();
         let take = |s, n, k| {
-            slots::try_slots_in_share(Some("fair"), Some(n), Some(k), s)
+            slots::try_slots_in_share(Some("fair"), Some(n), Some(k), Wait::No, s)
                 .unwrap()
                 .map(|t| t.into_vec())
         };
@@ -311,7 +312,7 @@ mod tests {
         assert_eq!(take(a, 4, 1), Some(vec![0]));
         // More than the ceiling at once could never be had: class 22.
         assert!(matches!(
-            slots::try_slots_in_share(Some("fair"), Some(4), Some(3), a),
+            slots::try_slots_in_share(Some("fair"), Some(4), Some(3), Wait::No, a),
             Err(SlotError::MoreThanCeiling { k: 3, ceiling: 2 })
         ));
         assert!(matches!(
@@ -391,5 +392,76 @@ mod tests {
             Some(true)
         );
         assert_eq!(held(), None);
+    }
+
+    /// A call that waits in a share joins the cap's fair queue and, served, is counted in its
+    /// share (here when the lease of another share holding the cap's one slot expires, which
+    /// the waiter's own sweep finds); one that times out leaves its share as if it had never
+    /// come (forgotten, nothing counted), and the cap's clock has no waiter left.
+    #[pg_test]
+    fn a_waiter_in_a_share_is_served_in_it_and_one_that_times_out_leaves_no_trace() {
+        use crate::shmem;
+        use crate::slots::{self, shares};
+        use stage_e_core::wait::Wait;
+        use std::time::{Duration, Instant};
+        settle();
+        let db = crate::session::database();
+        let a = shares::named("tenant-a", 1, None).unwrap();
+        let b = shares::named("tenant-b", 2, Some(1)).unwrap();
+        let info = |s: shares::Share| {
+            shmem::shares_of(db)
+                .into_iter()
+                .find(|i| i.digest == s.digest && i.cap == "fair_wait")
+                .map(|i| (i.held, i.waiting))
+        };
+        let lease = |ttl_us, s| {
+            slots::lease(Some("fair_wait"), Some(1), Some(ttl_us), Wait::No, Some(s))
+                .unwrap()
+                .expect("the cap's slot, as a lease")
+        };
+        lease(300_000, a);
+        assert_eq!(info(a), Some((1, 0)));
+        let started = Instant::now();
+        let got = slots::try_slots_in_share(
+            Some("fair_wait"),
+            Some(1),
+            Some(1),
+            Wait::For(Duration::from_secs(10)),
+            b,
+        )
+        .unwrap()
+        .map(|t| t.into_vec());
+        assert_eq!(got, Some(vec![0]), "served once a's lease expired");
+        assert!(started.elapsed() >= Duration::from_millis(200), "it waited");
+        assert_eq!(info(b), Some((1, 0)), "granted in b, no longer waiting");
+        assert_eq!(info(a), None, "a's lease expired: a is idle, forgotten");
+        assert_eq!(
+            one::<bool>("SELECT stage_e_release('fair_wait', 0)"),
+            Some(true)
+        );
+        assert_eq!(info(b), None);
+        // b's lease holds the slot; a waits 100 ms in vain, as a session slot.
+        let held = lease(60_000_000, b);
+        let got = slots::try_slots_in_share(
+            Some("fair_wait"),
+            Some(1),
+            Some(1),
+            Wait::For(Duration::from_millis(100)),
+            a,
+        )
+        .unwrap();
+        assert!(got.is_none(), "timed out");
+        assert_eq!(info(a), None, "a left unserved: nothing counted, forgotten");
+        assert_eq!(info(b), Some((1, 0)));
+        assert_eq!(
+            one::<bool>(&format!(
+                "SELECT stage_e_release_lease('fair_wait', {}, {})",
+                held.slot, held.token
+            )),
+            Some(true)
+        );
+        assert!(shmem::shares_of(db).iter().all(|i| i.cap != "fair_wait"));
+        let at = shmem::lookup(db, "fair_wait").expect("cap fair_wait").at;
+        assert!(shmem::reclaim_now(at), "no shares, no waiters: reclaimed");
     }
 }

@@ -9,8 +9,8 @@
 //! - finding and making caps: `lookup`, `create`, `grow`, `key_now`, `first_key`, `caps`,
 //!   `cap_refs`, `busy_caps`, `databases`, `databases_with_pending`, `reclaim_database`, `usage`;
 //! - waiting: `dequeue`, `waiters_of`, [`WaiterInfo`];
-//! - fair shares: `Cap::has_shares`, `Cap::fair`, `Cap::give_back_share`, `shares_of`,
-//!   [`ShareInfo`];
+//! - fair shares: `Cap::has_shares`, `Cap::reserve_now`, `Cap::enqueue_in_share`,
+//!   `Cap::take_in_line`, `Cap::give_back_share`, `shares_of`;
 //! - leases: `caps_with_leases_due`, [`LeaseCheck`], [`LeaseInfo`], [`LeaseRefused`];
 //! - load averages: `sample_load`, `load_of`, [`Load`];
 //! - rate keys: `try_rate`, `peek_rate`, `any_rate_policy`, `note_rates_recovered`, [`NoRoom`]; rate policies:
@@ -101,11 +101,12 @@ pub use rates::{
 };
 pub use records::MAX_DATABASES;
 pub use segment::attached;
+pub use shares::dequeue;
 #[cfg_attr(not(feature = "pg_test"), allow(unused_imports))] // until the views use it
 pub use shares::shares_of;
 pub use stage_e_core::counters::Counter;
 pub use stage_e_core::state::CapRef;
-pub use waitq::{dequeue, waiters_of, Ticket, WaiterInfo};
+pub use waitq::{waiters_of, Ticket, WaiterInfo};
 
 use entry::CapEntry;
 use stage_e_core::state::Pin;

@@ -130,7 +130,9 @@ fn secret(seg: &Segment) -> [u64; 2] {
 /// is another's (it would share the other's place and ceiling).
 pub fn share_digest(db: u32, name: &str) -> u64 {
     let seg = segment().expect("callers check that the segment is attached");
+    // Above the unnamed share's digest (1), which no name may have.
     rate::digest(secret(seg), db, Space::Share, name.as_bytes())
+        .max(stage_e_core::fair::UNNAMED + 1)
 }
 
 fn call(seg: &Segment, db: u32, space: Space, name: &[u8], rate: Rate, cost: u32) -> Call {

@@ -110,6 +110,9 @@ pub(super) struct WaiterRecord {
     pub(super) ticket: AtomicU64,
     pub(super) since: AtomicI64,
     pub(super) proc_: AtomicU64,
+    /// The digest of the share it waits in (`stage_e_core::fair`; 0: none, a cap without
+    /// shares).
+    pub(super) share: AtomicU64,
 }
 
 /// Bytes of a reason at most (`stage_e_cap_limits.reason`).

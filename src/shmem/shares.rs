@@ -24,10 +24,17 @@
 
 use super::databases;
 use super::entry::CapEntry;
+use super::records::WaiterRecord;
 use super::segment::{segment, waits_locked, Segment, EXCLUSIVE, SHARED};
+use super::waitq::{self, fill, free_record, queue_of, queued, wake, Ticket};
 use super::Cap;
 use crate::gucs;
-use stage_e_core::fair::{Clock, Fair, Pool, PoolHead, ShareAt, ShareRecord};
+use stage_e_core::fair::{
+    Clock, Fair, Pool, PoolHead, Refused, Share, ShareAt, ShareRecord, Waiter, NO_CEILING, UNNAMED,
+};
+use stage_e_core::front::Seated;
+use stage_e_core::occupancy;
+use stage_e_core::state::CapRef;
 use std::sync::atomic::Ordering;
 
 impl CapEntry {
@@ -61,6 +68,11 @@ impl Segment {
     }
 }
 
+/// The records this backend's database may hold: its `database_share` of the pool.
+fn limit(seg: &Segment) -> u32 {
+    stage_e_core::share::limit(seg.shares_len as u64, gucs::database_share()) as u32
+}
+
 impl Cap {
     /// Whether the cap has live shares (its chain of records is not empty), without a lock.
     pub fn has_shares(&self) -> bool {
@@ -80,44 +92,304 @@ impl Cap {
     }
 
     /// Slots of this cap taken in the share at `at` (from their holder records; 0: none) are
-    /// given back: `k` of them.
+    /// given back: `k` of them. The front is seated again (a share back under its ceiling
+    /// competes again) and the seats that may take now are woken.
     pub fn give_back_share(&self, at: u32, k: u32) {
-        if at != 0 {
-            self.fair(|f| f.released_at(ShareAt(at), k));
+        if at == 0 {
+            return;
+        }
+        let line = Line::of(self);
+        self.fair(|f| {
+            f.released_at(ShareAt(at), k);
+            // A share at its ceiling competes again: the front in the new order of service.
+            if let Some(line) = &line {
+                line.reseat(f);
+            }
+        });
+    }
+}
+
+/// [`Cap::fair`] with the waits lock held exclusively (by the caller). What the step changed is
+/// stored even if it unwinds (an ERROR of a take under the lock, `Cap::take_in_line`): the
+/// records are changed in place, so the clock, the pool's head and the count must follow them.
+pub(super) fn fair_locked<R>(
+    seg: &'static Segment,
+    e: &'static CapEntry,
+    limit: u32,
+    f: impl FnOnce(&mut Fair) -> R,
+) -> R {
+    struct Copies {
+        seg: &'static Segment,
+        e: &'static CapEntry,
+        db: u32,
+        clock: Clock,
+        head: PoolHead,
+        used: u32,
+        before: (Clock, PoolHead, u32),
+    }
+    impl Drop for Copies {
+        fn drop(&mut self) {
+            if (self.clock, self.head, self.used) != self.before {
+                self.e.set_clock(self.clock);
+                self.seg
+                    .header
+                    .share_pool
+                    .store(self.head.pack(), Ordering::Relaxed);
+                databases::set_shares_of_database(self.db, self.used);
+            }
+        }
+    }
+    let db = e.database();
+    let (clock, head, used) = (
+        e.clock(),
+        PoolHead::unpack(seg.header.share_pool.load(Ordering::Relaxed)),
+        databases::shares_of_database(db),
+    );
+    let mut c = Copies {
+        seg,
+        e,
+        db,
+        clock,
+        head,
+        used,
+        before: (clock, head, used),
+    };
+    // SAFETY: the caller holds the waits lock exclusively; the records are borrowed for this
+    // step only.
+    let records = unsafe { seg.share_records() };
+    let mut fair = Fair::new(
+        &mut c.clock,
+        Pool {
+            records,
+            head: &mut c.head,
+            used: &mut c.used,
+            limit,
+        },
+    );
+    f(&mut fair)
+}
+
+/// The share that waiters who joined without one are adopted into once their cap has shares:
+/// the unnamed share, weight 1, no ceiling.
+const UNNAMED_SHARE: Share = Share {
+    digest: UNNAMED,
+    weight: 1,
+    ceiling: NO_CEILING,
+};
+
+impl WaiterRecord {
+    fn waiter(&self) -> Waiter {
+        Waiter {
+            share: self.share.load(Ordering::Relaxed),
+            ticket: self.ticket.load(Ordering::Relaxed),
+            k: self.k.load(Ordering::Relaxed),
         }
     }
 }
 
-/// [`Cap::fair`] with the waits lock held exclusively (by the caller).
-pub(super) fn fair_locked<R>(
-    seg: &Segment,
-    e: &CapEntry,
-    limit: u32,
-    f: impl FnOnce(&mut Fair) -> R,
-) -> R {
-    let mut clock = e.clock();
-    let mut head = PoolHead::unpack(seg.header.share_pool.load(Ordering::Relaxed));
-    let db = e.database();
-    let mut used = databases::shares_of_database(db);
-    // SAFETY: the caller holds the waits lock exclusively; the records are borrowed for this
-    // step only.
-    let records = unsafe { seg.share_records() };
-    let before = (clock, head, used);
-    let out = f(&mut Fair::new(
-        &mut clock,
-        Pool {
-            records,
-            head: &mut head,
-            used: &mut used,
-            limit,
-        },
-    ));
-    if (clock, head, used) != before {
-        e.set_clock(clock);
-        seg.header.share_pool.store(head.pack(), Ordering::Relaxed);
-        databases::set_shares_of_database(db, used);
+/// One step on the queue of the cap in entry `entry` (`e`), the waits lock held exclusively.
+struct Line {
+    seg: &'static Segment,
+    e: &'static CapEntry,
+    entry: u32,
+}
+
+impl Line {
+    fn of(cap: &Cap) -> Option<Line> {
+        Some(Line {
+            seg: segment()?,
+            e: cap.entry(),
+            entry: cap.at.entry,
+        })
     }
-    out
+
+    fn bits(&self) -> &'static [std::sync::atomic::AtomicU64] {
+        self.seg.block(self.e).1
+    }
+
+    fn queue(&self) -> impl Iterator<Item = (Seated, u64)> + Clone {
+        queue_of(self.seg, self.entry).map(|w| (w.seated(), w.share.load(Ordering::Relaxed)))
+    }
+
+    fn rest(&self) -> impl Iterator<Item = Waiter> + Clone {
+        queue_of(self.seg, self.entry).map(WaiterRecord::waiter)
+    }
+
+    /// Waiters that joined without a share (before the cap had shares, or racing its first)
+    /// join its unnamed share, in ticket order, keeping their tickets: the front is seated in
+    /// the fair queue's order, which has no place for a waiter in no share.
+    fn adopt(&self, f: &mut Fair) -> Result<(), Refused> {
+        let mut plain: Vec<&WaiterRecord> = queue_of(self.seg, self.entry)
+            .filter(|w| w.share.load(Ordering::Relaxed) == 0)
+            .collect();
+        if plain.is_empty() {
+            return Ok(());
+        }
+        plain.sort_by_key(|w| w.ticket.load(Ordering::Relaxed));
+        f.admit(UNNAMED_SHARE, 1)?;
+        for w in plain {
+            let x = w.waiter();
+            f.join(UNNAMED_SHARE, x.ticket, x.k)?;
+            w.share.store(UNNAMED, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The front seated again in the order of service (a grant or a release in a share moved
+    /// it); wakes the seats that may take now.
+    fn reseat(&self, f: &Fair) {
+        if f.waiting() > 0 {
+            let (order, widest) = f.seats(self.queue());
+            wake(self.e.line.reorder(&order, widest, self.bits()));
+        }
+    }
+
+    /// Waiter `w` (its record already inactive) left the fair queue, `granted` or not: the
+    /// count goes down, the front is seated again, the seats that may take now are woken.
+    fn leave(&self, f: &mut Fair, w: Waiter, granted: bool) -> Option<ShareAt> {
+        let at = if granted {
+            f.granted(w, self.rest())
+        } else {
+            f.leave(w, self.rest());
+            None
+        };
+        let (order, widest) = f.seats(self.queue());
+        wake(
+            self.e
+                .line
+                .leave_in_order(&self.e.waiters, &order, widest, self.bits()),
+        );
+        at
+    }
+}
+
+impl Cap {
+    /// A call of `share` that does not wait, for `k` slots of `[0, n)`: if the fair queue lets
+    /// it take now (within its ceiling; served first while the cap has waiters), its slots are
+    /// reserved in its share (charged, counted held) and where its record is is returned, for
+    /// the slots' holder records; the caller takes them without the lock, and gives the
+    /// reservation back ([`Cap::give_back_share`]) if it could not.
+    pub fn reserve_now(&self, share: Share, n: u32, k: u32) -> Result<Option<ShareAt>, Refused> {
+        let Some(line) = Line::of(self) else {
+            return Ok(None);
+        };
+        let free = occupancy::free_below(line.bits(), n);
+        self.fair(|f| {
+            line.adopt(f)?;
+            if !f.may_take_now(share, k, free) {
+                return Ok(None);
+            }
+            let at = f.took_now(share, k)?;
+            line.reseat(f); // a charge moves V, which may reorder the heads
+            Ok(Some(at))
+        })
+    }
+
+    /// Joins the cap's queue in `share`, for `k` slots of `[0, n)`: the front is seated in the
+    /// order of service. None if the list of waiters is full (only a bug: it has a record per
+    /// backend); Err if the share has no record and the pool no room.
+    pub fn enqueue_in_share(
+        &self,
+        share: Share,
+        n: u32,
+        k: u32,
+        since: i64,
+    ) -> Result<Option<Ticket>, Refused> {
+        let Some(line) = Line::of(self) else {
+            return Ok(None);
+        };
+        let seg = line.seg;
+        waits_locked(EXCLUSIVE, || {
+            let Some(record) = free_record(seg) else {
+                return Ok(None);
+            };
+            fair_locked(seg, line.e, limit(seg), |f| {
+                line.adopt(f)?;
+                f.admit(share, k)?;
+                let w = &seg.waiters[record as usize];
+                let ticket = line.e.line.join_in_order(&line.e.waiters, |ticket| {
+                    fill(w, line.entry, n, k, since, ticket, share.digest);
+                    let joined = f.join(share, ticket, k);
+                    debug_assert!(joined.is_ok(), "admitted, yet refused: {joined:?}");
+                    f.seats(line.queue())
+                });
+                Ok(Some(Ticket { record, ticket }))
+            })
+        })
+    }
+
+    /// A waiter of a cap with shares (`t`), woken: under the waits lock, if it is seated and
+    /// the free slots serve it, `take(from, share)` takes its slots (from slot `from` up,
+    /// naming its share's record in their holder records: `share`, 0 for none); taken, the
+    /// waiter is granted in its share and leaves the queue, and the front is seated again.
+    /// The take is under the lock so that the grant is counted before any release of the
+    /// slots can give them back. None if it may not take now (or `take` found nothing).
+    pub fn take_in_line<T, E>(
+        &self,
+        t: Ticket,
+        take: impl FnOnce(u32, u32) -> Result<Option<T>, E>,
+    ) -> Result<Option<T>, E> {
+        let Some(line) = Line::of(self) else {
+            return Ok(None);
+        };
+        let seg = line.seg;
+        waits_locked(EXCLUSIVE, || {
+            fair_locked(seg, line.e, limit(seg), |f| {
+                let Some(w) = queued(seg, t) else {
+                    return Ok(None);
+                };
+                // Pool full: a waiter left in no share is served by its seat, counted in none.
+                let _ = line.adopt(f);
+                let Some(from) = line.e.line.may_take(t.ticket, line.bits()) else {
+                    return Ok(None);
+                };
+                let me = w.waiter();
+                let at = f.at_of(me.share).map_or(0, |a| a.0);
+                let got = take(from, at)?;
+                if got.is_some() {
+                    w.active.store(0, Ordering::Release);
+                    if me.share == 0 {
+                        dequeue_plain(line, t, w);
+                    } else {
+                        line.leave(f, me, true);
+                    }
+                }
+                Ok(got)
+            })
+        })
+    }
+}
+
+/// The waiter holding `t` leaves the queue of the cap in entry `cap.entry` unserved (timed
+/// out, cancelled, terminated, or served by a take of its own without the lock, which counts
+/// in no share): in a cap with shares, its share is where it would be had it never come
+/// (`stage_e_core::fair::Fair::leave`), the front is seated again; else `waitq`'s leave. No
+/// pin needed: a cap with waiters is never reclaimed.
+pub fn dequeue(cap: CapRef, t: Ticket) {
+    let Some(seg) = segment() else { return };
+    let line = Line {
+        seg,
+        e: seg.entry(cap.entry),
+        entry: cap.entry,
+    };
+    waits_locked(EXCLUSIVE, || {
+        let Some(w) = queued(seg, t) else {
+            return; // already left
+        };
+        let me = w.waiter();
+        w.active.store(0, Ordering::Release);
+        if me.share == 0 {
+            dequeue_plain(line, t, w);
+        } else {
+            fair_locked(seg, line.e, limit(seg), |f| {
+                line.leave(f, me, false);
+            });
+        }
+    });
+}
+
+fn dequeue_plain(line: Line, t: Ticket, w: &WaiterRecord) {
+    waitq::leave_locked(line.seg, line.e, line.entry, t, w);
 }
 
 /// A live share of a cap, as the views show it (the in-server tests read it until the views

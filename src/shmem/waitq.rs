@@ -18,15 +18,14 @@
 use super::entry::CapEntry;
 use super::pin::my_procno;
 use super::records::WaiterRecord;
-use super::segment::{segment, waits_locked, EXCLUSIVE, SHARED};
+use super::segment::{segment, waits_locked, Segment, EXCLUSIVE, SHARED};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::front::{Seated, Seats};
-use stage_e_core::state::CapRef;
 use std::sync::atomic::Ordering;
 
 impl WaiterRecord {
-    fn seated(&self) -> Seated {
+    pub(super) fn seated(&self) -> Seated {
         Seated {
             process: self.proc_.load(Ordering::Relaxed) as usize,
             ticket: self.ticket.load(Ordering::Relaxed),
@@ -39,8 +38,8 @@ impl WaiterRecord {
 /// This backend's place in a cap's queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Ticket {
-    record: u32,
-    ticket: u64,
+    pub(super) record: u32,
+    pub(super) ticket: u64,
 }
 
 /// A waiter as the waiters view shows it.
@@ -53,8 +52,18 @@ pub struct WaiterInfo {
     pub position: u32,
 }
 
+/// The waiter records of the cap in entry `entry`, under the waits lock.
+pub(super) fn queue_of(
+    seg: &'static Segment,
+    entry: u32,
+) -> impl Iterator<Item = &'static WaiterRecord> + Clone {
+    seg.waiters.iter().filter(move |w| {
+        w.active.load(Ordering::Relaxed) == 1 && w.entry.load(Ordering::Relaxed) == entry
+    })
+}
+
 /// Sets the latches of `seats`.
-fn wake(seats: Seats) {
+pub(super) fn wake(seats: Seats) {
     for s in seats.iter() {
         let p = s.process as *mut pg_sys::PGPROC;
         // SAFETY: a seat names a PGPROC, which lives in shared memory for the server's
@@ -94,25 +103,12 @@ impl Cap {
         let seg = segment()?;
         let e = self.entry();
         waits_locked(EXCLUSIVE, || {
-            // This backend's own record; were it taken (a bug), any free one.
-            let free = |i: &usize| seg.waiters[*i].active.load(Ordering::Relaxed) == 0;
-            let record = my_procno()
-                .filter(|i| *i < seg.waiters.len() && free(i))
-                .or_else(|| (0..seg.waiters.len()).find(free))? as u32;
+            let record = free_record(seg)?;
             let w = &seg.waiters[record as usize];
-            // SAFETY: this backend's PGPROC and pid, set at start-up.
-            let (me, pid) = unsafe { (pg_sys::MyProc, pg_sys::MyProcPid) };
             // Seated (and its n in the widest) before the count shows it: a call that sees the
             // count sees its n (`stage_e_core::queue`).
             let ticket = e.line.join(&e.waiters, |ticket| {
-                w.entry.store(self.at.entry, Ordering::Relaxed);
-                w.pid.store(pid, Ordering::Relaxed);
-                w.n.store(n, Ordering::Relaxed);
-                w.k.store(k, Ordering::Relaxed);
-                w.ticket.store(ticket, Ordering::Relaxed);
-                w.since.store(since, Ordering::Relaxed);
-                w.proc_.store(me as u64, Ordering::Relaxed);
-                w.active.store(1, Ordering::Release);
+                fill(w, self.at.entry, n, k, since, ticket, 0);
                 w.seated()
             });
             Some(Ticket { record, ticket })
@@ -120,38 +116,72 @@ impl Cap {
     }
 }
 
-/// Leaves the queue of the cap in entry `cap.entry` (no pin needed: a cap with waiters is
-/// never reclaimed). If `t` had a front seat, the seats behind it move up, the next waiter is
+/// With the waits lock held: this backend's own waiter record; were it taken (a bug), any
+/// free one.
+pub(super) fn free_record(seg: &Segment) -> Option<u32> {
+    let free = |i: &usize| seg.waiters[*i].active.load(Ordering::Relaxed) == 0;
+    my_procno()
+        .filter(|i| *i < seg.waiters.len() && free(i))
+        .or_else(|| (0..seg.waiters.len()).find(free))
+        .map(|i| i as u32)
+}
+
+/// With the waits lock held: writes this backend's waiter record `w`, waiting for `k` slots of
+/// `[0, n)` of the cap in entry `entry` with `ticket` (in share `share`, 0: none), and makes it
+/// active last.
+pub(super) fn fill(
+    w: &WaiterRecord,
+    entry: u32,
+    n: u32,
+    k: u32,
+    since: i64,
+    ticket: u64,
+    share: u64,
+) {
+    // SAFETY: this backend's PGPROC and pid, set at start-up.
+    let (me, pid) = unsafe { (pg_sys::MyProc, pg_sys::MyProcPid) };
+    w.entry.store(entry, Ordering::Relaxed);
+    w.pid.store(pid, Ordering::Relaxed);
+    w.n.store(n, Ordering::Relaxed);
+    w.k.store(k, Ordering::Relaxed);
+    w.ticket.store(ticket, Ordering::Relaxed);
+    w.since.store(since, Ordering::Relaxed);
+    w.proc_.store(me as u64, Ordering::Relaxed);
+    w.share.store(share, Ordering::Relaxed);
+    w.active.store(1, Ordering::Release);
+}
+
+/// With the waits lock held exclusively: the waiter holding `t` (its record `w`, made
+/// inactive by the caller), of a cap without shares, leaves the queue of the cap in entry
+/// `entry` (`shares::dequeue` is the entry point; no pin needed: a cap with waiters is never
+/// reclaimed). If `t` had a front seat, the seats behind it move up, the next waiter is
 /// seated, and the seats that may take now are woken; the widest n of the queue is taken
 /// again if `t` may have been it.
-pub fn dequeue(cap: CapRef, t: Ticket) {
-    let Some(seg) = segment() else { return };
-    let e: &CapEntry = seg.entry(cap.entry);
-    waits_locked(EXCLUSIVE, || {
-        let w = &seg.waiters[t.record as usize];
-        if w.active.load(Ordering::Relaxed) == 0 || w.ticket.load(Ordering::Relaxed) != t.ticket {
-            return; // already left
-        }
-        w.active.store(0, Ordering::Release);
-        let queued = seg
-            .waiters
-            .iter()
-            .filter(|o| {
-                o.active.load(Ordering::Relaxed) == 1
-                    && o.entry.load(Ordering::Relaxed) == cap.entry
-            })
-            .map(WaiterRecord::seated);
-        // Wakes only the seats that may take now, if `t` had one: the release that frees the
-        // others' slots wakes them (waking in vain would cost every hand-off a second context
-        // switch).
-        wake(e.line.leave(
-            &e.waiters,
-            t.ticket,
-            w.n.load(Ordering::Relaxed),
-            queued,
-            seg.block(e).1,
-        ));
-    });
+pub(super) fn leave_locked(
+    seg: &'static Segment,
+    e: &CapEntry,
+    entry: u32,
+    t: Ticket,
+    w: &WaiterRecord,
+) {
+    let queued = queue_of(seg, entry).map(WaiterRecord::seated);
+    // Wakes only the seats that may take now, if `t` had one: the release that frees the
+    // others' slots wakes them (waking in vain would cost every hand-off a second context
+    // switch).
+    wake(e.line.leave(
+        &e.waiters,
+        t.ticket,
+        w.n.load(Ordering::Relaxed),
+        queued,
+        seg.block(e).1,
+    ));
+}
+
+/// With the waits lock held: the record of the waiter holding `t`, if it is still queued.
+pub(super) fn queued(seg: &'static Segment, t: Ticket) -> Option<&'static WaiterRecord> {
+    let w = &seg.waiters[t.record as usize];
+    (w.active.load(Ordering::Relaxed) == 1 && w.ticket.load(Ordering::Relaxed) == t.ticket)
+        .then_some(w)
 }
 
 /// The waiters of database `db`'s caps, in queue order per cap (`position` 1 is the head).

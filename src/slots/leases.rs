@@ -34,7 +34,7 @@ pub enum LeaseOutcome {
 
 /// `stage_e_lease(cap, n, ttl, wait)`: a slot of `[0, n)` held by a token for `ttl`, waiting up
 /// to `wait` for one like a session slot; None when throttled. In `share` (`super::shares`),
-/// without a wait only, until waiting in a share is built.
+/// if given.
 pub fn lease(
     cap: Option<&str>,
     n: Option<i32>,

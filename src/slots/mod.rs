@@ -245,17 +245,18 @@ pub fn try_slots(
     acquire(cap, n, k, wait, Kind::Session, None)
 }
 
-/// k slots of `[0, n)` in `share` (`shares::named`), taken now or None: what
-/// `stage_e_try_slots(cap, n, k, wait, share)` is to do without a wait (issue 38; its SQL
-/// and its wait are the next steps; until the SQL names shares, only the tests do).
+/// k slots of `[0, n)` in `share` (`shares::named`), waiting up to `wait`: what
+/// `stage_e_try_slots(cap, n, k, wait, share)` is to do (issue 38; until its SQL names
+/// shares, only the tests do).
 #[cfg_attr(not(feature = "pg_test"), allow(dead_code))] // until the SQL surface uses it
 pub fn try_slots_in_share(
     cap: Option<&str>,
     n: Option<i32>,
     k: Option<i32>,
+    wait: Wait,
     share: shares::Share,
 ) -> Result<Option<Taken>, SlotError> {
-    acquire(cap, n, k, Wait::No, Kind::Session, Some(share))
+    acquire(cap, n, k, wait, Kind::Session, Some(share))
 }
 
 /// The acquisition pipeline, one named stage per concern, so that a new check is one more
@@ -303,9 +304,8 @@ fn acquire(
 }
 
 /// A call in `share` (None: the cap's unnamed share) on a cap with shares (`shares`): taken
-/// now through the fair queue, or (after freeing what expired, as `not_taken` does) throttled;
-/// a call of the unnamed share that waits queues in arrival order (`shares`' header). Only
-/// calls without a wait name a share until waiting in a share is built.
+/// now through the fair queue, or (after freeing what expired, as `not_taken` does) in line in
+/// its share, or throttled.
 #[cold]
 #[inline(never)]
 fn in_share(
@@ -317,8 +317,6 @@ fn in_share(
     gate: Option<&rates::Gate>,
     share: Option<shares::Share>,
 ) -> Result<Option<Taken>, SlotError> {
-    debug_assert!(share.is_none() || matches!(wait, Wait::No));
-    let named = share.is_some();
     let share = share.unwrap_or_else(shares::unnamed);
     let now = session::statement_start();
     if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, share)? {
@@ -330,11 +328,7 @@ fn in_share(
             return Ok(Some(record(&cap, k, got)));
         }
     }
-    if named || matches!(wait, Wait::No) {
-        rates::count_throttled(cap.counters(), gate);
-        return Ok(None);
-    }
-    not_taken(cap, n, k, wait, kind, gate)
+    in_line_or_throttled(cap, n, k, wait, kind, gate, Some(share))
 }
 
 /// A call admitted to search: its cap pinned, the n it may search (the adaptive limit
@@ -501,6 +495,20 @@ fn not_taken(
             }
         }
     }
+    in_line_or_throttled(cap, n, k, wait, kind, gate, None)
+}
+
+/// Nothing taken now: in line (in `share`, if any) until `wait` passes, or throttled at once
+/// (counted) when the call does not wait or would wait for itself.
+fn in_line_or_throttled(
+    cap: Cap,
+    n: u32,
+    k: u32,
+    wait: Wait,
+    kind: Kind,
+    gate: Option<&rates::Gate>,
+    share: Option<shares::Share>,
+) -> Result<Option<Taken>, SlotError> {
     let deadline = match wait {
         Wait::No => None,
         Wait::For(d) => Some(Some(std::time::Instant::now() + d)),
@@ -508,7 +516,7 @@ fn not_taken(
     };
     match deadline {
         Some(deadline) if !waits_for_itself(&cap, n, k) => {
-            waiting::wait_in_line(cap, n, k, deadline, kind, gate)
+            waiting::wait_in_line(cap, n, k, deadline, kind, gate, share)
         }
         _ => {
             rates::count_throttled(cap.counters(), gate);

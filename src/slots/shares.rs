@@ -19,18 +19,18 @@
 //! record is cleared; only the holder releases a session slot, and a lease's slot is ended
 //! under its lease record's lock, so no release misses it.
 //!
-//! Waiting in a share is the next step of issue 38: until then, a waiting call on a cap with
-//! shares that cannot take now waits in the cap's queue by arrival order, and the slots it
-//! gets there count in no share (their records name none), so every share's count stays the
-//! count of the slots its records name.
+//! A call that waits (`waiting`) joins the cap's queue in its share (`Cap::enqueue_in_share`):
+//! the front seats are in the fair queue's order of service, and a seated waiter, woken, takes
+//! its slots under the waits lock (`Cap::take_in_line`), so that its grant is counted in its
+//! share before any release of those slots can give them back.
 
 use super::{Kind, SlotError, Taken};
 use crate::gucs;
 use crate::session;
 use crate::shmem::{self, Cap};
+use stage_e_core::directory;
 pub use stage_e_core::fair::Share;
 use stage_e_core::fair::{Refused, MAX_WEIGHT, NO_CEILING};
-use stage_e_core::{directory, occupancy};
 
 /// The share named `name` of this database (the in-server tests name shares until the SQL
 /// surface does), with its weight (1 to 16) and ceiling (None: no
@@ -62,6 +62,23 @@ pub fn unnamed() -> Share {
     }
 }
 
+/// What a refusal of the fair queue says to the caller, for a call of `k` slots in `share`.
+pub(super) fn refused(r: Refused, share: Share, k: u32) -> SlotError {
+    match r {
+        Refused::Full => SlotError::NoShareRecord {
+            max: gucs::max_shares(),
+            share: gucs::database_share(),
+        },
+        Refused::Ceiling => SlotError::MoreThanCeiling {
+            k,
+            ceiling: share.ceiling,
+        },
+        Refused::Weight => SlotError::BadShareWeight {
+            weight: share.weight as i32,
+        },
+    }
+}
+
 /// A call that does not wait takes `k` slots of `[0, n)` in `share` now, or None (throttled:
 /// the slots are not free, the share is at its ceiling, or another share is to be served
 /// first). `at` is the slots' acquisition time.
@@ -75,40 +92,20 @@ pub(super) fn take_now(
     share: Share,
 ) -> Result<Option<Taken>, SlotError> {
     if k > share.ceiling {
-        return Err(SlotError::MoreThanCeiling {
-            k,
-            ceiling: share.ceiling,
-        });
+        return Err(refused(Refused::Ceiling, share, k));
     }
-    // Behind the cap's queue (its waiters in arrival order: `shares`' header), from the slots
-    // no waiter can use, as any call.
+    let Some(place) = cap
+        .reserve_now(share, n, k)
+        .map_err(|r| refused(r, share, k))?
+    else {
+        return Ok(None);
+    };
+    // Served first: from the slots no waiter can use if there are such, else from slot 0
+    // (seated waiters are served in the same order, so none of them is passed over).
     let from = if cap.waiters() == 0 {
         0
     } else {
-        match cap.newcomer(n, k) {
-            Some(from) => from,
-            None => return Ok(None),
-        }
-    };
-    let free = occupancy::free_below(cap.bits(), n);
-    let reserved = cap.fair(|f| {
-        if f.may_take_now(share, k, free) {
-            Some(f.took_now(share, k))
-        } else {
-            None
-        }
-    });
-    let place = match reserved {
-        None => return Ok(None),
-        Some(Ok(place)) => place,
-        Some(Err(Refused::Full)) => {
-            return Err(SlotError::NoShareRecord {
-                max: gucs::max_shares(),
-                share: gucs::database_share(),
-            })
-        }
-        // Checked above (weight and ceiling by `named`, k against the ceiling).
-        Some(Err(Refused::Weight | Refused::Ceiling)) => return Ok(None),
+        cap.newcomer(n, k).unwrap_or(0)
     };
     let taken = super::take(cap, n, k, from, at, kind, gate, place.0);
     if !matches!(taken, Ok(Some(_))) {

@@ -19,6 +19,7 @@ use crate::ffi;
 use crate::session;
 use crate::shmem::{self, Cap, CapRef, Counter, Ticket};
 use pgrx::pg_sys;
+use stage_e_core::fair::Share;
 use stage_e_core::histogram::Metric;
 use std::cell::Cell;
 use std::time::Duration;
@@ -77,7 +78,9 @@ pub fn sleep(timeout: Duration, checked: &mut std::time::Instant) {
     }
     pgrx::check_for_interrupts!();
 }
-/// Queues for `k` slots of `cap` until they are had or `deadline` passes.
+/// Queues for `k` slots of `cap` until they are had or `deadline` passes. In `share` (or, on a
+/// cap with shares, in its unnamed share) the queue is the cap's fair queue (`shares`): the
+/// front is seated in its order, and a seated waiter takes under the waits lock.
 pub(super) fn wait_in_line(
     cap: Cap,
     n: u32,
@@ -85,13 +88,19 @@ pub(super) fn wait_in_line(
     deadline: Option<std::time::Instant>,
     kind: Kind,
     gate: Option<&super::rates::Gate>,
+    share: Option<Share>,
 ) -> Result<Option<Taken>, SlotError> {
     let started = session::now();
     let counters = cap.counters();
+    let in_share = share.or_else(|| cap.has_shares().then(super::shares::unnamed));
+    let ticket = match in_share {
+        None => cap.enqueue(n, k, started),
+        Some(s) => cap
+            .enqueue_in_share(s, n, k, started)
+            .map_err(|r| super::shares::refused(r, s, k))?,
+    }
+    .ok_or(SlotError::NoWaiterRecord)?;
     counters.bump(Counter::Waits, 1);
-    let ticket = cap
-        .enqueue(n, k, started)
-        .ok_or(SlotError::NoWaiterRecord)?;
     let place = cap.at;
     drop(cap); // a waiter holds no pin while it sleeps (its cap is not reclaimed meanwhile)
                // Leaves the queue however this ends: returning, an ERROR unwinding, or (through the exit
@@ -105,7 +114,17 @@ pub(super) fn wait_in_line(
         super::expire_due(&cap); // wakes the waiters that the freed slots serve, us included
         let mut rate_wait = None;
         if let Some(from) = cap.may_take(ticket) {
-            if let Some(got) = super::take(&cap, n, k, from, session::now(), kind, gate, 0)? {
+            // A cap with shares (ours, or shares that came since we joined): under the lock,
+            // counted in the share as it is taken. Else without the lock, from where the
+            // front says.
+            let got = if cap.has_shares() {
+                cap.take_in_line(ticket, |from, at| {
+                    super::take(&cap, n, k, from, session::now(), kind, gate, at)
+                })?
+            } else {
+                super::take(&cap, n, k, from, session::now(), kind, gate, 0)?
+            };
+            if let Some(got) = got {
                 drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
                 let waited = waited();

@@ -90,6 +90,10 @@ pub const UNIT: u64 = 720_720;
 /// A ceiling that never binds.
 pub const NO_CEILING: u32 = u32::MAX;
 
+/// The digest of a cap's unnamed share (the calls that name none, once the cap has shares):
+/// named shares' digests are kept above it by their hash.
+pub const UNNAMED: u64 = 1;
+
 /// What a grant of `k` slots at weight `weight` adds to its share's finish tag: `k / w` slots,
 /// exactly, in tag units (a grant and its projection in [`Fair::order`] charge the same).
 fn cost(k: u32, weight: u32) -> u64 {
@@ -432,6 +436,20 @@ impl<'a> Fair<'a> {
         }
         self.shares[i].held += k;
         Ok(ShareAt::of(i))
+    }
+
+    /// Where share `digest`'s record is, if it has one: for a waiter to name it in its slots'
+    /// holder records as it takes them (the record stays while the share has a waiter).
+    pub fn at_of(&self, digest: u64) -> Option<ShareAt> {
+        self.find(digest).map(ShareAt::of)
+    }
+
+    /// A call of `share` is to wait for `k` slots: its record is made (or its policy updated)
+    /// now, so that [`Fair::join`], once the call has its ticket, cannot be refused. Err as
+    /// `join` would be.
+    pub fn admit(&mut self, share: Share, k: u32) -> Result<(), Refused> {
+        Self::check(share, k)?;
+        self.record(share).map(|_| ())
     }
 
     /// A call of `share` waits for `k` slots with `ticket` (tickets rise in arrival order). It
