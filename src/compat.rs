@@ -14,6 +14,8 @@
 //! |                                  | `stage_e_stats_v5`                   | 0.8.0, 0.9.0 |
 //! | `stage_e_slot_holders_internal()`| `stage_e_slot_holders_internal`      | 0.1.0        |
 //! |                                  | `stage_e_slot_holders_internal_v2`   | 0.2.0, 0.3.0 |
+//! |                                  | `stage_e_slot_holders_internal_v3`   | 0.4.0–0.10.0 |
+//! | `stage_e_slot_waiters_internal()`| `stage_e_slot_waiters_internal`      | 0.3.0–0.10.0 |
 //! | `stage_e_flush()`                | `stage_e_flush`                      | 0.1.0        |
 //! |                                  | `stage_e_flush_v2`                   | 0.2.0        |
 //! |                                  | `stage_e_flush_v3`                   | 0.3.0        |
@@ -269,5 +271,66 @@ fn stage_e_slot_holders_internal_v2() -> TableIterator<
 #[pg_extern(sql = false)]
 fn stage_e_try_slot_wait(n: Option<i32>, wait: Option<Interval>) -> Option<i32> {
     let _call = crate::report::calling("stage_e_try_slot");
-    api::slots::try_slots(Some(DEFAULT_CAP), n, Some(1), wait).map(|s| s[0])
+    api::slots::try_slots(Some(DEFAULT_CAP), n, Some(1), wait, None).map(|s| s[0])
+}
+
+// -- 0.4.0 to 0.10.0: holders and waiters without their fair share --------------------------
+
+/// Held slots of the current database (lock manager truth) and leases (with their token and
+/// expiry); the view adds session columns.
+#[pg_extern(sql = false)]
+#[allow(clippy::type_complexity)]
+fn stage_e_slot_holders_internal_v3() -> TableIterator<
+    'static,
+    (
+        name!(cap, Text),
+        name!(slot, i32),
+        name!(pid, i32),
+        name!(acquired_at, Option<TimestampWithTimeZone>),
+        name!(token, Option<i64>),
+        name!(expires_at, Option<TimestampWithTimeZone>),
+    ),
+> {
+    let _call = crate::report::calling("stage_e_slot_holders_internal");
+    let rows = slots::holders().unwrap_or_else(|e| raise(e));
+    let at = |t: Option<i64>| t.and_then(|t| TimestampWithTimeZone::try_from(t).ok());
+    TableIterator::new(rows.into_iter().map(move |h| {
+        (
+            Text(h.cap),
+            h.slot as i32,
+            h.pid,
+            at(h.acquired_at),
+            h.token.map(|t| t as i64),
+            at(h.expires_at),
+        )
+    }))
+}
+
+/// Sessions waiting for slots in the current database (`stage_e_slot_waiters` adds session
+/// columns): position 1 is the head of its cap's queue.
+#[pg_extern(sql = false)]
+fn stage_e_slot_waiters_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, Text),
+        name!(pid, i32),
+        name!(n, i32),
+        name!(k, i32),
+        name!(waiting_since, Option<TimestampWithTimeZone>),
+        name!(position, i32),
+    ),
+> {
+    let _call = crate::report::calling("stage_e_slot_waiters_internal");
+    let rows = slots::waiters().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().map(|w| {
+        let since = TimestampWithTimeZone::try_from(w.since).ok();
+        (
+            Text(w.cap),
+            w.pid,
+            w.n as i32,
+            w.k as i32,
+            since,
+            w.position as i32,
+        )
+    }))
 }

@@ -29,6 +29,13 @@ pub fn statement_start_timestamp() -> i64 {
     unsafe { GetCurrentStatementStartTimestamp() }
 }
 
+/// When the current transaction started (µs since 2000-01-01): its snapshot, whatever the
+/// isolation, was taken no earlier.
+pub fn transaction_start_timestamp() -> i64 {
+    // SAFETY: reads a backend-local static; cannot raise an ERROR.
+    unsafe { pgrx::pg_sys::GetCurrentTransactionStartTimestamp() }
+}
+
 /// Whether the client's socket is still connected (false when it is gone); a non-blocking poll.
 ///
 /// # Safety

@@ -136,7 +136,7 @@ pub fn init() {
     GucRegistry::define_int_guc(
         c"stage_e_slots.max_shares",
         c"How many live shares (fair shares of caps, of all databases) can be kept at once.",
-        c"Each takes 48 bytes of shared memory. A share is live while it holds or waits for \
+        c"Each takes 128 bytes of shared memory. A share is live while it holds or waits for \
           slots, or owes its last request; an idle one is forgotten. Full, a call in a new \
           share is refused (SQLSTATE 53400).",
         &MAX_SHARES,

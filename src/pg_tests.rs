@@ -262,88 +262,101 @@ mod tests {
         );
     }
 
-    /// Issue 38's first server step (no SQL yet): a share's ceiling binds, the other shares and
-    /// a call without one (the cap's unnamed share, once the cap has shares) take the rest,
-    /// every release gives its slot back to its share (one of k, a release_all, a grow's
-    /// copy of the holder records in between), and a cap whose shares are all idle forgets
-    /// them, so that it can be reclaimed.
+    /// `held` and `waiting` of a live share of `cap` (`stage_e_shares`; None: not live).
+    fn share_row(cap: &str, share: Option<&str>) -> Option<(i32, i32)> {
+        let which = share.map_or("share IS NULL".to_string(), |s| format!("share = '{s}'"));
+        Spi::connect(|c| {
+            c.select(
+                &format!(
+                    "SELECT held, waiting FROM stage_e_shares WHERE cap = '{cap}' AND {which}"
+                ),
+                None,
+                &[],
+            )
+            .unwrap()
+            .map(|r| {
+                (
+                    r.get::<i32>(1).unwrap().unwrap(),
+                    r.get::<i32>(2).unwrap().unwrap(),
+                )
+            })
+            .next()
+        })
+    }
+
+    /// A share's ceiling binds; the other shares and a call without one (the cap's unnamed
+    /// share, once the cap has shares) take the rest; every release gives its slot back to its
+    /// share (one of k, a release_all, a grow's copy of the holder records in between); the
+    /// holders view names each slot's share; and a cap whose shares are all idle forgets them,
+    /// so that it can be reclaimed. The policies are this transaction's own rows (read through
+    /// the transaction's snapshot; the commit that would make them everyone's is not needed).
     #[pg_test]
     fn a_share_takes_within_its_ceiling_and_every_release_gives_back() {
         use crate::shmem;
-        use crate::slots::{self, shares, SlotError};
-        use stage_e_core::wait::Wait;
         settle();
-        let db = crate::session::database();
-        let a = shares::named("tenant-a", 1, Some(2)).unwrap();
-        let b = shares::named("tenant-b", 3, None).unwrap();
-        let unnamed = shares::unnamed();
-        let take = |s, n, k| {
-            slots::try_slots_in_share(Some("fair"), Some(n), Some(k), Wait::No, s)
-                .unwrap()
-                .map(|t| t.into_vec())
+        Spi::run("SELECT stage_e_share('fair', 'tenant-a', max_slots => 2)").unwrap();
+        Spi::run("SELECT stage_e_share('fair', 'tenant-b', 3)").unwrap();
+        let take = |s: &str, n: i32, k: i32| {
+            one::<Vec<i32>>(&format!(
+                "SELECT stage_e_try_slots('fair', {n}, {k}, '0', '{s}')"
+            ))
         };
-        let held = |s: shares::Share| {
-            shmem::shares_of(db)
-                .iter()
-                .find(|i| i.digest == s.digest && i.cap == "fair")
-                .map(|i| i.held)
-        };
-        assert_eq!(take(a, 4, 1), Some(vec![0]));
-        assert_eq!(take(a, 4, 1), Some(vec![1]));
-        assert_eq!(take(a, 4, 1), None, "a is at its ceiling of 2");
-        assert_eq!(held(a), Some(2));
-        let info = shmem::shares_of(db);
-        let ia = info.iter().find(|i| i.digest == a.digest).unwrap();
-        assert_eq!((ia.weight, ia.ceiling, ia.waiting), (1, Some(2), 0));
-        assert_eq!(take(b, 4, 1), Some(vec![2]));
-        let info = shmem::shares_of(db);
-        let ib = info.iter().find(|i| i.digest == b.digest).unwrap();
-        assert_eq!((ib.weight, ib.ceiling, ib.held), (3, None, 1));
+        let held = |s: Option<&str>| share_row("fair", s).map(|r| r.0);
+        assert_eq!(take("tenant-a", 4, 1), Some(vec![0]));
+        assert_eq!(take("tenant-a", 4, 1), Some(vec![1]));
+        assert_eq!(take("tenant-a", 4, 1), None, "a is at its ceiling of 2");
+        assert_eq!(held(Some("tenant-a")), Some(2));
+        assert_eq!(
+            one::<i32>(
+                "SELECT weight * 100 + max_slots FROM stage_e_shares \
+                  WHERE cap = 'fair' AND share = 'tenant-a'"
+            ),
+            Some(102)
+        );
+        assert_eq!(take("tenant-b", 4, 1), Some(vec![2]));
         assert_eq!(
             one::<i32>("SELECT stage_e_try_slot('fair', 4)"),
             Some(3),
             "a call without a share takes in the unnamed share"
         );
-        assert_eq!(held(unnamed), Some(1));
-        assert_eq!(take(b, 4, 1), None, "the cap is full");
+        assert_eq!(held(None), Some(1));
+        assert_eq!(
+            one::<String>(
+                "SELECT string_agg(slot || ':' || coalesce(share, '-'), ',' ORDER BY slot) \
+                   FROM stage_e_slot_holders WHERE cap = 'fair'"
+            ),
+            Some("0:tenant-a,1:tenant-a,2:tenant-b,3:-".into())
+        );
+        assert_eq!(take("tenant-b", 4, 1), None, "the cap is full");
         // A release gives its slot back to its share: a is under its ceiling again.
         assert_eq!(one::<bool>("SELECT stage_e_release('fair', 0)"), Some(true));
-        assert_eq!(held(a), Some(1));
-        assert_eq!(take(a, 4, 1), Some(vec![0]));
-        // More than the ceiling at once could never be had: class 22.
-        assert!(matches!(
-            slots::try_slots_in_share(Some("fair"), Some(4), Some(3), Wait::No, a),
-            Err(SlotError::MoreThanCeiling { k: 3, ceiling: 2 })
-        ));
-        assert!(matches!(
-            shares::named("x", 17, None),
-            Err(SlotError::BadShareWeight { weight: 17 })
-        ));
-        assert!(matches!(
-            shares::named("x", 1, Some(0)),
-            Err(SlotError::BadShareCeiling { ceiling: 0 })
-        ));
-        assert!(matches!(
-            shares::named("", 1, None),
-            Err(SlotError::BadShareName(_))
-        ));
+        assert_eq!(held(Some("tenant-a")), Some(1));
+        assert_eq!(take("tenant-a", 4, 1), Some(vec![0]));
         // k slots at once, in b; then the cap grows (its holder records are copied to a new
         // block) and each of the k slots still gives back to b.
         assert_eq!(one::<bool>("SELECT stage_e_release('fair', 2)"), Some(true));
         assert_eq!(one::<bool>("SELECT stage_e_release('fair', 3)"), Some(true));
-        assert_eq!(held(unnamed), None, "an idle share is forgotten");
-        assert_eq!(take(b, 4, 2), Some(vec![2, 3]));
-        assert_eq!(held(b), Some(2));
-        assert_eq!(take(b, 64, 1), Some(vec![4]), "grown to 64 slots");
-        assert_eq!(held(b), Some(3));
+        assert_eq!(held(None), None, "an idle share is forgotten");
+        assert_eq!(take("tenant-b", 4, 2), Some(vec![2, 3]));
+        assert_eq!(held(Some("tenant-b")), Some(2));
+        assert_eq!(take("tenant-b", 64, 1), Some(vec![4]), "grown to 64 slots");
+        assert_eq!(held(Some("tenant-b")), Some(3));
         assert_eq!(one::<bool>("SELECT stage_e_release('fair', 3)"), Some(true));
-        assert_eq!(held(b), Some(2));
-        assert_eq!(held(a), Some(2));
-        assert_eq!(one::<i32>("SELECT stage_e_release_all('fair')"), Some(4));
-        assert!(
-            shmem::shares_of(db).iter().all(|i| i.cap != "fair"),
-            "every share of the cap is idle, so forgotten"
+        assert_eq!(held(Some("tenant-b")), Some(2));
+        assert_eq!(held(Some("tenant-a")), Some(2));
+        assert_eq!(
+            one::<i64>(
+                "SELECT granted FROM stage_e_shares WHERE cap = 'fair' AND share = 'tenant-b'"
+            ),
+            Some(3),
+            "b was forgotten when its one slot went back; live again, it was granted 2 then 1"
         );
+        assert_eq!(one::<i32>("SELECT stage_e_release_all('fair')"), Some(4));
+        assert_eq!(
+            one::<i64>("SELECT count(*) FROM stage_e_shares WHERE cap = 'fair'"),
+            Some(0)
+        );
+        let db = crate::session::database();
         let at = shmem::lookup(db, "fair").expect("cap fair").at;
         assert!(shmem::reclaim_now(at), "a cap without shares is reclaimed");
     }
@@ -352,42 +365,47 @@ mod tests {
     /// token and when it expires.
     #[pg_test]
     fn a_lease_in_a_share_gives_back_when_released_and_when_expired() {
-        use crate::shmem;
-        use crate::slots::{self, shares};
-        use stage_e_core::wait::Wait;
         settle();
-        let db = crate::session::database();
-        let a = shares::named("tenant-a", 2, Some(1)).unwrap();
-        let lease = |ttl_us| {
-            slots::lease(Some("fair_lease"), Some(2), Some(ttl_us), Wait::No, Some(a)).unwrap()
+        Spi::run("SELECT stage_e_share('fair_lease', 'tenant-a', 2, 1)").unwrap();
+        let lease = |ttl: &str| {
+            Spi::connect(|c| {
+                c.select(
+                    &format!(
+                        "SELECT slot, token FROM stage_e_lease('fair_lease', 2, '{ttl}', '0', 'tenant-a')"
+                    ),
+                    None,
+                    &[],
+                )
+                .unwrap()
+                .map(|r| (r.get::<i32>(1).unwrap(), r.get::<i64>(2).unwrap()))
+                .next()
+                .and_then(|(s, t)| Some((s?, t?)))
+            })
         };
-        let held = || {
-            shmem::shares_of(db)
-                .iter()
-                .find(|i| i.digest == a.digest && i.cap == "fair_lease")
-                .map(|i| i.held)
-        };
-        let got = lease(60_000_000).expect("a lease");
+        let held = || share_row("fair_lease", Some("tenant-a")).map(|r| r.0);
+        let (slot, token) = lease("60 s").expect("a lease");
         assert_eq!(held(), Some(1));
-        assert!(lease(60_000_000).is_none(), "a is at its ceiling of 1");
+        assert_eq!(
+            one::<String>("SELECT share FROM stage_e_slot_holders WHERE cap = 'fair_lease'"),
+            Some("tenant-a".into())
+        );
+        assert!(lease("60 s").is_none(), "a is at its ceiling of 1");
         assert_eq!(
             one::<bool>(&format!(
-                "SELECT stage_e_release_lease('fair_lease', {}, {})",
-                got.slot, got.token
+                "SELECT stage_e_release_lease('fair_lease', {slot}, {token})"
             )),
             Some(true)
         );
         assert_eq!(held(), None, "released: the share is idle, forgotten");
         // A lease of 1 ms, expired by the next call's sweep: its share is given back, so the
         // share, at its ceiling of 1 until then, takes again.
-        lease(1_000).expect("a short lease");
+        lease("1 ms").expect("a short lease");
         Spi::run("SELECT pg_sleep(0.05)").unwrap();
-        let again = lease(60_000_000).expect("the expired lease gave its slot back to a");
+        let (slot, token) = lease("60 s").expect("the expired lease gave its slot back to a");
         assert_eq!(held(), Some(1));
         assert_eq!(
             one::<bool>(&format!(
-                "SELECT stage_e_release_lease('fair_lease', {}, {})",
-                again.slot, again.token
+                "SELECT stage_e_release_lease('fair_lease', {slot}, {token})"
             )),
             Some(true)
         );
@@ -401,66 +419,82 @@ mod tests {
     #[pg_test]
     fn a_waiter_in_a_share_is_served_in_it_and_one_that_times_out_leaves_no_trace() {
         use crate::shmem;
-        use crate::slots::{self, shares};
-        use stage_e_core::wait::Wait;
-        use std::time::{Duration, Instant};
         settle();
-        let db = crate::session::database();
-        let a = shares::named("tenant-a", 1, None).unwrap();
-        let b = shares::named("tenant-b", 2, Some(1)).unwrap();
-        let info = |s: shares::Share| {
-            shmem::shares_of(db)
-                .into_iter()
-                .find(|i| i.digest == s.digest && i.cap == "fair_wait")
-                .map(|i| (i.held, i.waiting))
-        };
-        let lease = |ttl_us, s| {
-            slots::lease(Some("fair_wait"), Some(1), Some(ttl_us), Wait::No, Some(s))
+        Spi::run("SELECT stage_e_share('fair_wait', '*', 1, 1)").unwrap();
+        let lease = |ttl: &str, share: &str| {
+            Spi::connect(|c| {
+                c.select(
+                    &format!(
+                        "SELECT slot, token FROM stage_e_lease('fair_wait', 1, '{ttl}', '0', '{share}')"
+                    ),
+                    None,
+                    &[],
+                )
                 .unwrap()
+                .map(|r| (r.get::<i32>(1).unwrap().unwrap(), r.get::<i64>(2).unwrap().unwrap()))
+                .next()
                 .expect("the cap's slot, as a lease")
+            })
         };
-        lease(300_000, a);
-        assert_eq!(info(a), Some((1, 0)));
-        let started = Instant::now();
-        let got = slots::try_slots_in_share(
-            Some("fair_wait"),
-            Some(1),
-            Some(1),
-            Wait::For(Duration::from_secs(10)),
-            b,
-        )
-        .unwrap()
-        .map(|t| t.into_vec());
-        assert_eq!(got, Some(vec![0]), "served once a's lease expired");
-        assert!(started.elapsed() >= Duration::from_millis(200), "it waited");
-        assert_eq!(info(b), Some((1, 0)), "granted in b, no longer waiting");
-        assert_eq!(info(a), None, "a's lease expired: a is idle, forgotten");
+        let row = |s: &str| share_row("fair_wait", Some(s));
+        lease("300 ms", "tenant-a");
+        assert_eq!(row("tenant-a"), Some((1, 0)));
+        let started = std::time::Instant::now();
+        assert_eq!(
+            one::<i32>("SELECT stage_e_try_slot('fair_wait', 1, '10 s', 'tenant-b')"),
+            Some(0),
+            "served once a's lease expired"
+        );
+        assert!(
+            started.elapsed() >= std::time::Duration::from_millis(200),
+            "it waited"
+        );
+        assert_eq!(
+            row("tenant-b"),
+            Some((1, 0)),
+            "granted in b, no longer waiting"
+        );
+        assert!(
+            one::<Interval>(
+                "SELECT wait_time FROM stage_e_shares WHERE cap = 'fair_wait' AND share = 'tenant-b'"
+            )
+            .is_some_and(|w| w.micros() >= 150_000),
+            "its wait is counted in its share"
+        );
+        assert_eq!(
+            row("tenant-a"),
+            None,
+            "a's lease expired: a is idle, forgotten"
+        );
         assert_eq!(
             one::<bool>("SELECT stage_e_release('fair_wait', 0)"),
             Some(true)
         );
-        assert_eq!(info(b), None);
+        assert_eq!(row("tenant-b"), None);
         // b's lease holds the slot; a waits 100 ms in vain, as a session slot.
-        let held = lease(60_000_000, b);
-        let got = slots::try_slots_in_share(
-            Some("fair_wait"),
-            Some(1),
-            Some(1),
-            Wait::For(Duration::from_millis(100)),
-            a,
-        )
-        .unwrap();
-        assert!(got.is_none(), "timed out");
-        assert_eq!(info(a), None, "a left unserved: nothing counted, forgotten");
-        assert_eq!(info(b), Some((1, 0)));
+        let (slot, token) = lease("60 s", "tenant-b");
+        assert_eq!(
+            one::<i32>("SELECT stage_e_try_slot('fair_wait', 1, '100 ms', 'tenant-a')"),
+            None,
+            "timed out"
+        );
+        assert_eq!(
+            row("tenant-a"),
+            None,
+            "a left unserved: nothing counted, forgotten"
+        );
+        assert_eq!(row("tenant-b"), Some((1, 0)));
         assert_eq!(
             one::<bool>(&format!(
-                "SELECT stage_e_release_lease('fair_wait', {}, {})",
-                held.slot, held.token
+                "SELECT stage_e_release_lease('fair_wait', {slot}, {token})"
             )),
             Some(true)
         );
-        assert!(shmem::shares_of(db).iter().all(|i| i.cap != "fair_wait"));
+        assert_eq!(
+            one::<i64>("SELECT count(*) FROM stage_e_shares WHERE cap = 'fair_wait'"),
+            Some(0)
+        );
+        let db = crate::session::database();
         let at = shmem::lookup(db, "fair_wait").expect("cap fair_wait").at;
         assert!(shmem::reclaim_now(at), "no shares, no waiters: reclaimed");
     }

@@ -199,6 +199,11 @@ pub fn statement_start() -> i64 {
     ffi::statement_start_timestamp()
 }
 
+/// When this transaction started (its snapshot is no older).
+pub fn transaction_start() -> i64 {
+    ffi::transaction_start_timestamp()
+}
+
 /// Now, as a TimestampTz (microseconds since 2000-01-01).
 pub fn now() -> i64 {
     // SAFETY: reads the clock.
@@ -447,6 +452,9 @@ pub enum Change {
     /// `stage_e_rate_limit` (count, per in ns, burst) or `stage_e_rate_limit_off` (None); on a
     /// cap or a pattern (`tenant:*`).
     Rate(Option<(u32, u64, u32)>),
+    /// `stage_e_share`: a share policy of the cap (kept in `stage_e_share_policy`, read by each
+    /// backend; the commit moves the database's generation of them).
+    Share,
 }
 
 /// A policy change made in subtransaction `subxact`, for the cap `cap` of this database.

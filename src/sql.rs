@@ -481,6 +481,30 @@ pub fn rate_off_query(ext: &Extension) -> String {
     )
 }
 
+/// `stage_e_share`'s write, in the caller's transaction: `$1` the cap, `$2` the share (or
+/// `'*'`), `$3` the weight, `$4` max_slots (NULL: none).
+pub fn share_write_query(ext: &Extension) -> String {
+    format!(
+        "INSERT INTO {}.stage_e_share_policy AS p (cap, share, weight, max_slots) \
+         VALUES ($1::pg_catalog.text, $2::pg_catalog.text, $3::pg_catalog.int4, \
+                 $4::pg_catalog.int4) \
+         ON CONFLICT (cap, share) DO UPDATE SET weight = excluded.weight, \
+                max_slots = excluded.max_slots",
+        ext.schema
+    )
+}
+
+/// A cap's share policies, for the acquisitions of its shares: `(share, weight, max_slots)`;
+/// `$1` the cap.
+pub fn share_policies_query(ext: &Extension) -> String {
+    format!(
+        "SELECT p.share, p.weight, p.max_slots \
+           FROM {}.stage_e_share_policy AS p \
+          WHERE p.cap OPERATOR(pg_catalog.=) $1::pg_catalog.text",
+        ext.schema
+    )
+}
+
 /// The rate policies to restore at a load: `(cap, count, per in µs, burst)`.
 pub fn rate_rows_query(ext: &Extension) -> String {
     format!(

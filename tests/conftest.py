@@ -154,6 +154,8 @@ FUNCTION_SAMPLES = {
     "stage_e_holding(text, integer)": ("acts", ["'k'", "0"]),
     "stage_e_lease(text, integer, interval, interval)": ("acts",
                                                         ["'k'", "2", "'1 min'", "'10 ms'"]),
+    "stage_e_lease(text, integer, interval, interval, text)": (
+        "acts", ["'k'", "2", "'1 min'", "'10 ms'", "'t'"]),
     "stage_e_pending(bigint)": ("reads", ["0"]),
     "stage_e_release(integer)": ("acts", ["0"]),
     "stage_e_release(text, integer)": ("acts", ["'k'", "0"]),
@@ -163,6 +165,8 @@ FUNCTION_SAMPLES = {
     "stage_e_renew(text, integer, bigint, interval)": ("acts", ["'k'", "0", "1", "'1 s'"]),
     "stage_e_reset_stats()": ("acts", []),
     "stage_e_reset_stats(text)": ("acts", ["'k'"]),
+    "stage_e_share(text, text, integer, integer)": ("acts", ["'k'", "'t'", "2", "2"]),
+    "stage_e_shares_internal()": ("reads", []),
     "stage_e_slot_holders_internal()": ("reads", []),
     "stage_e_slot_token(text, integer)": ("reads", ["'k'", "0"]),
     "stage_e_slot_waiters_internal()": ("reads", []),
@@ -177,7 +181,10 @@ FUNCTION_SAMPLES = {
     "stage_e_try_slot(integer)": ("acts", ["2"]),
     "stage_e_try_slot(text, integer)": ("acts", ["'k'", "2"]),
     "stage_e_try_slot(text, integer, interval)": ("acts", ["'k'", "2", "'10 ms'"]),
+    "stage_e_try_slot(text, integer, interval, text)": ("acts", ["'k'", "2", "'10 ms'", "'t'"]),
     "stage_e_try_slots(text, integer, integer, interval)": ("acts", ["'k'", "2", "2", "'10 ms'"]),
+    "stage_e_try_slots(text, integer, integer, interval, text)": (
+        "acts", ["'k'", "2", "2", "'10 ms'", "'t'"]),
 }
 
 # Every function (prokind 'f') that is a member of the extension: its name, its signature

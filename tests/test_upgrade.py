@@ -1,4 +1,4 @@
-"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0, 0.6.0, 0.7.0, 0.8.0 and 0.9.0,
+"""ALTER EXTENSION stage_e_slots UPDATE from 0.1.0, 0.2.0, 0.3.0, 0.4.0, 0.5.0, 0.6.0, 0.7.0, 0.8.0, 0.9.0 and 0.10.0,
 with data and holders, against the current library; and the updated schema against a fresh install's."""
 
 import re
@@ -585,12 +585,12 @@ def test_a_0_9_0_database_is_served_without_rate_limits_then_updated_keeps_its_r
         assert [d.name for d in cur.description][-2:] == ["hold_time", "expired"]
         assert cur.fetchone()[4] == 1  # acquired, through 0.9.0's symbol
 
-        other.execute("ALTER EXTENSION stage_e_slots UPDATE TO '0.10.0'")
+        other.execute("ALTER EXTENSION stage_e_slots UPDATE")
         cur = other.execute(columns)
         assert [d.name for d in cur.description][-2:] == ["expired", "rate_limited"]
         assert cur.fetchone()[4] == 1
         assert one(other, "SELECT extversion FROM pg_extension "
-                          "WHERE extname = 'stage_e_slots'") == "0.10.0"
+                          "WHERE extname = 'stage_e_slots'") == CURRENT
         assert other.execute(
             "SELECT cap, acquired, adapt_min, adapt_max FROM stage_e_throttle_counter "
             "ORDER BY cap").fetchall() == [("exports", 1, 1, 3), ("jobs", 1, None, None)]
@@ -608,6 +608,55 @@ def test_a_0_9_0_database_is_served_without_rate_limits_then_updated_keeps_its_r
         assert [one(other, "SELECT stage_e_try_slot('jobs', 4)") for _ in range(2)] == [1, None]
     uc.create_database("fresh10")
     assert describe(uc, "v090") == describe(uc, "fresh10")
+
+
+def test_a_0_10_0_database_is_served_without_shares_then_updated_keeps_its_rows(uc):
+    """The 0.11.0 library serves a 0.10.0 database as 0.10.0 did: no share forms, holders
+    without a share column (through 0.10.0's symbols). The update keeps the rows, the holder,
+    the lease and the rate policy; the holders gain share (NULL for slots taken in none); then
+    stage_e_share keeps a policy in stage_e_share_policy and it binds (a share at its ceiling
+    gets NULL while another share takes the next slot); the schema equals a fresh install's."""
+    uc.create_database("v0100", extension=False)
+    uc.sql("CREATE EXTENSION stage_e_slots VERSION '0.10.0'", dbname="v0100")
+    with uc.connect("v0100", "holder") as holder, uc.connect("v0100", "other") as other:
+        assert one(holder, "SELECT stage_e_try_slot('exports', 4)") == 0
+        lease = holder.execute("SELECT * FROM stage_e_lease('jobs', 1, '1 hour')").fetchone()
+        holder.execute("SELECT stage_e_rate_limit('api', 100, '1 s', 10)")
+        holder.execute("SELECT stage_e_flush()")
+        with pytest.raises(errors.UndefinedFunction):
+            other.execute("SELECT stage_e_try_slots('exports', 4, 1, '0', 'tenant-a')")
+        other.rollback()
+        holders = "SELECT * FROM stage_e_slot_holders ORDER BY cap"
+        cur = other.execute(holders)
+        assert [d.name for d in cur.description][-1] == "expires_at"
+        assert len(cur.fetchall()) == 2  # through 0.10.0's symbol
+
+        other.execute("ALTER EXTENSION stage_e_slots UPDATE")
+        assert one(other, "SELECT extversion FROM pg_extension "
+                          "WHERE extname = 'stage_e_slots'") == CURRENT
+        assert other.execute(
+            "SELECT cap, acquired, rate_count FROM stage_e_throttle_counter "
+            "ORDER BY cap").fetchall() == [("api", 0, 100), ("exports", 1, None),
+                                           ("jobs", 1, None)]
+        assert one(holder, "SELECT stage_e_holding('exports', 0)") is True
+        assert other.execute("SELECT cap, slot, token, share FROM stage_e_slot_holders "
+                             "ORDER BY cap").fetchall() == [
+            ("exports", 0, None, None), ("jobs", 0, lease[1], None)]
+        assert other.execute("SELECT * FROM stage_e_shares").fetchall() == []
+        # A policy, kept in its table; it binds from the commit (autocommit here).
+        other.execute("SELECT stage_e_share('exports', 'tenant-a', 2, 1)")
+        assert other.execute("SELECT cap, share, weight, max_slots FROM stage_e_share_policy"
+                             ).fetchall() == [("exports", "tenant-a", 2, 1)]
+        take = "SELECT stage_e_try_slots('exports', 4, 1, '0', %s)"
+        assert one(other, take, ("tenant-a",)) == [1]
+        assert one(other, take, ("tenant-a",)) is None  # at its ceiling of 1
+        assert one(other, take, ("tenant-b",)) == [2]
+        # The holder's slot 0 was taken in no share: it counts in none.
+        assert other.execute("SELECT share, weight, max_slots, held FROM stage_e_shares "
+                             "WHERE cap = 'exports' ORDER BY share").fetchall() == [
+            ("tenant-a", 2, 1, 1), ("tenant-b", 1, None, 1)]
+    uc.create_database("fresh11")
+    assert describe(uc, "v0100") == describe(uc, "fresh11")
 
 
 def update_chain():

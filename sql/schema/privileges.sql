@@ -9,3 +9,6 @@ REVOKE EXECUTE ON FUNCTION stage_e_adapt_off(text) FROM PUBLIC;
 -- A cap's rate policy binds every role that uses it, and is kept in the counter table: the same.
 REVOKE EXECUTE ON FUNCTION stage_e_rate_limit(text, integer, interval, integer) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION stage_e_rate_limit_off(text) FROM PUBLIC;
+-- A share's weight and ceiling bind every role that uses the cap, and are kept in
+-- stage_e_share_policy: the same.
+REVOKE EXECUTE ON FUNCTION stage_e_share(text, text, integer, integer) FROM PUBLIC;

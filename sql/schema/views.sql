@@ -42,12 +42,13 @@ SELECT h.cap,
        a.client_addr,
        a.state,
        h.token,
-       h.expires_at
+       h.expires_at,
+       h.share
   FROM @extschema@.stage_e_slot_holders_internal() AS h
   LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid OPERATOR(pg_catalog.=) h.pid
  ORDER BY h.cap, h.slot;
 COMMENT ON VIEW stage_e_slot_holders IS
-  'One row per held slot of each cap in the current database: session slots from the lock manager, with the holder''s session, and leases with their token and expiry (pid is the backend that took the lease, which may be gone).';
+  'One row per held slot of each cap in the current database: session slots from the lock manager, with the holder''s session, and leases with their token and expiry (pid is the backend that took the lease, which may be gone); share is the fair share the slot was taken in (NULL: none, or the cap''s unnamed share).';
 GRANT SELECT ON stage_e_slot_holders TO PUBLIC;
 
 -- Sessions waiting for slots, in queue order per cap (position 1 is next), with their session.
@@ -62,12 +63,13 @@ SELECT w.cap,
        a.application_name,
        a.client_addr,
        a.wait_event_type,
-       a.wait_event
+       a.wait_event,
+       w.share
   FROM @extschema@.stage_e_slot_waiters_internal() AS w
   LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid OPERATOR(pg_catalog.=) w.pid
  ORDER BY w.cap, w.position;
 COMMENT ON VIEW stage_e_slot_waiters IS
-  'One row per session waiting for slots of a cap in the current database, in queue order.';
+  'One row per session waiting for slots of a cap in the current database, in queue order (arrival); share is the fair share it waits in (NULL: none, or the cap''s unnamed share).';
 GRANT SELECT ON stage_e_slot_waiters TO PUBLIC;
 
 -- The load of each cap, to tune n against: slots held and throttles per minute, averaged over
@@ -125,3 +127,13 @@ SELECT r.cap,
 COMMENT ON VIEW stage_e_rate_limits IS
   'One row per rate-limited cap of the current database (stage_e_rate_limit): its rate, how many acquisitions of one slot it allows now, when the next is allowed, and how many were throttled by it; a prefix policy shows its pattern and each live cap under it.';
 GRANT SELECT ON stage_e_rate_limits TO PUBLIC;
+
+-- Fair shares (0.11.0): one row per live share of a cap (holding or waiting for slots), with
+-- its policy as of its last call and what it was granted since it became live.
+CREATE VIEW stage_e_shares AS
+SELECT s.cap, s.share, s.weight, s.max_slots, s.held, s.waiting, s.granted, s.wait_time
+  FROM @extschema@.stage_e_shares_internal() AS s
+ ORDER BY s.cap, s.share NULLS FIRST;
+COMMENT ON VIEW stage_e_shares IS
+  'One row per live fair share of a cap of the current database (stage_e_share, and the share argument of the waiting acquisitions): its weight and ceiling, the slots it holds and the calls waiting in it, the slots granted to it and the time its waiters waited for them since it became live (an idle share is forgotten). share NULL: the cap''s unnamed share, of calls that name none.';
+GRANT SELECT ON stage_e_shares TO PUBLIC;

@@ -28,10 +28,36 @@ fn stage_e_lease(
     fcinfo: pg_sys::FunctionCallInfo,
 ) -> Option<pgrx::composite_type!('static, "stage_e_lease_slot")> {
     let _call = crate::report::calling("stage_e_lease");
+    lease_row(cap.as_deref(), n, ttl, wait, None, fcinfo)
+}
+
+/// A slot of `[0, n)` of cap `cap` held by a token for `ttl`, in fair share `share`, waiting
+/// up to `wait` for one (in the order of the cap's fair queue): `(slot, token)`, or NULL.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_lease")]
+fn stage_e_lease_share(
+    cap: Option<CapArg<'_>>,
+    n: Option<i32>,
+    ttl: Option<Interval>,
+    wait: Option<Interval>,
+    share: Option<CapArg<'_>>,
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> Option<pgrx::composite_type!('static, "stage_e_lease_slot")> {
+    let _call = crate::report::calling("stage_e_lease");
+    let share = super::slots::required_share(&share);
+    lease_row(cap.as_deref(), n, ttl, wait, Some(share), fcinfo)
+}
+
+fn lease_row(
+    cap: Option<&str>,
+    n: Option<i32>,
+    ttl: Option<Interval>,
+    wait: Option<Interval>,
+    share: Option<&str>,
+    fcinfo: pg_sys::FunctionCallInfo,
+) -> Option<pgrx::composite_type!('static, "stage_e_lease_slot")> {
     let wait = to_wait(wait);
     hooks::ensure();
-    let got = slots::lease(cap.as_deref(), n, ttl.map(to_micros), wait, None)
-        .unwrap_or_else(|e| raise(e))?;
+    let got = slots::lease(cap, n, ttl.map(to_micros), wait, share).unwrap_or_else(|e| raise(e))?;
     // The result type is this function's own (in the extension's schema), found through the
     // call rather than by name, so search_path plays no part.
     // SAFETY: fcinfo and its flinfo are the live call's; get_func_rettype reads the syscache.

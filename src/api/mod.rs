@@ -1,5 +1,5 @@
 //! The SQL surface, one file per part of it: `slots` (session slots), `leases` (leases and tokens),
-//! `adapt` (adaptive caps), `rates` (rate limits), `held_back` (caps held back after a crash), `stats` (counters, holders,
+//! `adapt` (adaptive caps), `rates` (rate limits), `shares` (fair shares), `held_back` (caps held back after a crash), `stats` (counters, holders,
 //! waiters, load, flush and reset), `snapshot` (the jsonb document). Each function translates
 //! arguments, calls `slots` or `flush`, and maps errors (`errors`). Slot functions are VOLATILE and
 //! PARALLEL UNSAFE (advisory locks are refused in parallel workers). Arguments are `Option` so a
@@ -115,6 +115,7 @@ mod held_back;
 mod leases;
 mod one_row;
 mod rates;
+mod shares;
 pub(crate) mod slots;
 mod snapshot;
 mod stats;
@@ -157,14 +158,17 @@ fn to_micros(i: Interval) -> i64 {
 
 extension_sql_file!("../../sql/schema/counter_table.sql", name = "counter_table");
 
+extension_sql_file!("../../sql/schema/shares.sql", name = "share_policy_table");
+
 extension_sql_file!(
     "../../sql/schema/views.sql",
     name = "views",
     requires = [
         "counter_table",
         stats::stage_e_pending_v5,
-        stats::stage_e_slot_holders_internal_v3,
-        stats::stage_e_slot_waiters_internal,
+        stats::stage_e_slot_holders_internal_v4,
+        stats::stage_e_slot_waiters_internal_v2,
+        shares::stage_e_shares_internal,
         stats::stage_e_cap_load_internal,
         stats::stage_e_histogram_quantiles_internal,
         adapt::stage_e_cap_limits_internal,
@@ -182,6 +186,7 @@ extension_sql_file!(
         adapt::stage_e_adapt,
         adapt::stage_e_adapt_off,
         rates::stage_e_rate_limit,
-        rates::stage_e_rate_limit_off
+        rates::stage_e_rate_limit_off,
+        shares::stage_e_share
     ],
 );

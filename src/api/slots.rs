@@ -33,7 +33,21 @@ fn stage_e_try_slot_wait_cap(
     wait: Option<Interval>,
 ) -> Option<i32> {
     let _call = crate::report::calling("stage_e_try_slot");
-    try_slots(cap.as_deref(), n, Some(1), wait).map(|s| s[0])
+    try_slots(cap.as_deref(), n, Some(1), wait, None).map(|s| s[0])
+}
+
+/// A slot in `[0, n)` of cap `cap` in fair share `share`, waiting up to `wait` for one (in
+/// the order of the cap's fair queue); NULL once `wait` has passed.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slot")]
+fn stage_e_try_slot_share(
+    cap: Option<CapArg<'_>>,
+    n: Option<i32>,
+    wait: Option<Interval>,
+    share: Option<CapArg<'_>>,
+) -> Option<i32> {
+    let _call = crate::report::calling("stage_e_try_slot");
+    let share = required_share(&share);
+    try_slots(cap.as_deref(), n, Some(1), wait, Some(share)).map(|s| s[0])
 }
 
 /// k distinct slots of `[0, n)` of cap `cap`, all or none, waiting up to `wait` for them;
@@ -46,7 +60,29 @@ fn stage_e_try_slots(
     wait: default!(Option<Interval>, "'0'"),
 ) -> Option<Vec<i32>> {
     let _call = crate::report::calling("stage_e_try_slots");
-    try_slots(cap.as_deref(), n, k, wait)
+    try_slots(cap.as_deref(), n, k, wait, None)
+}
+
+/// k distinct slots of `[0, n)` of cap `cap` in fair share `share`, all or none, waiting up to
+/// `wait` for them; NULL when they could not all be had in time.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_try_slots")]
+fn stage_e_try_slots_share(
+    cap: Option<CapArg<'_>>,
+    n: Option<i32>,
+    k: Option<i32>,
+    wait: Option<Interval>,
+    share: Option<CapArg<'_>>,
+) -> Option<Vec<i32>> {
+    let _call = crate::report::calling("stage_e_try_slots");
+    let share = required_share(&share);
+    try_slots(cap.as_deref(), n, k, wait, Some(share))
+}
+
+/// A `share` argument: NULL is class 22 (a call in no share omits the argument).
+pub(super) fn required_share<'a>(share: &'a Option<CapArg<'_>>) -> &'a str {
+    share
+        .as_deref()
+        .unwrap_or_else(|| raise(slots::SlotError::NullArgument { name: "share" }))
 }
 
 pub(crate) fn try_slots(
@@ -54,10 +90,11 @@ pub(crate) fn try_slots(
     n: Option<i32>,
     k: Option<i32>,
     wait: Option<Interval>,
+    share: Option<&str>,
 ) -> Option<Vec<i32>> {
     let wait = to_wait(wait);
     hooks::ensure();
-    slots::try_slots(cap, n, k, wait)
+    slots::try_slots(cap, n, k, wait, share)
         .unwrap_or_else(|e| raise(e))
         .map(|t| t.into_vec().into_iter().map(|s| s as i32).collect())
 }

@@ -127,10 +127,10 @@ fn stage_e_histogram_quantiles_internal() -> TableIterator<
 }
 
 /// Held slots of the current database (lock manager truth) and leases (with their token and
-/// expiry); the view adds session columns.
+/// expiry), with the fair share each was taken in; the view adds session columns.
 #[pg_extern(volatile, parallel_unsafe, name = "stage_e_slot_holders_internal")]
 #[allow(clippy::type_complexity)]
-fn stage_e_slot_holders_internal_v3() -> TableIterator<
+fn stage_e_slot_holders_internal_v4() -> TableIterator<
     'static,
     (
         name!(cap, Text),
@@ -139,6 +139,7 @@ fn stage_e_slot_holders_internal_v3() -> TableIterator<
         name!(acquired_at, Option<TimestampWithTimeZone>),
         name!(token, Option<i64>),
         name!(expires_at, Option<TimestampWithTimeZone>),
+        name!(share, Option<Text>),
     ),
 > {
     let _call = crate::report::calling("stage_e_slot_holders_internal");
@@ -152,6 +153,7 @@ fn stage_e_slot_holders_internal_v3() -> TableIterator<
             at(h.acquired_at),
             h.token.map(|t| t as i64),
             at(h.expires_at),
+            h.share.map(Text),
         )
     }))
 }
@@ -235,9 +237,10 @@ pub fn pending_rows(row_flush_id: Option<i64>) -> Vec<((Text,), CounterValues)> 
 }
 
 /// Sessions waiting for slots in the current database (`stage_e_slot_waiters` adds session
-/// columns): position 1 is the head of its cap's queue.
-#[pg_extern(volatile, parallel_unsafe)]
-fn stage_e_slot_waiters_internal() -> TableIterator<
+/// columns), with the fair share each waits in: position 1 is the head of its cap's queue.
+#[pg_extern(volatile, parallel_unsafe, name = "stage_e_slot_waiters_internal")]
+#[allow(clippy::type_complexity)]
+fn stage_e_slot_waiters_internal_v2() -> TableIterator<
     'static,
     (
         name!(cap, Text),
@@ -246,6 +249,7 @@ fn stage_e_slot_waiters_internal() -> TableIterator<
         name!(k, i32),
         name!(waiting_since, Option<TimestampWithTimeZone>),
         name!(position, i32),
+        name!(share, Option<Text>),
     ),
 > {
     let _call = crate::report::calling("stage_e_slot_waiters_internal");
@@ -259,6 +263,7 @@ fn stage_e_slot_waiters_internal() -> TableIterator<
             w.k as i32,
             since,
             w.position as i32,
+            w.share.map(Text),
         )
     }))
 }

@@ -150,6 +150,27 @@ pub(super) fn set_shares_of_database(db: u32, used: u32) {
     }
 }
 
+/// The generation of database `db`'s share policies, and when it last moved (µs; 0: never
+/// since the server started): a backend keeps the policies it read while the generation
+/// stays, and caches nothing read by a transaction that began before that moment (its
+/// snapshot may predate the commit).
+pub fn share_policies_generation(db: u32) -> (u64, i64) {
+    record(db, false).map_or((0, 0), |r| {
+        (
+            r.share_policies.load(Ordering::Acquire),
+            r.share_policies_at.load(Ordering::Acquire),
+        )
+    })
+}
+
+/// A transaction that changed share policies of database `db` committed at `now` (µs).
+pub fn share_policies_changed(db: u32, now: i64) {
+    if let Some(r) = record(db, true) {
+        r.share_policies_at.store(now, Ordering::Release);
+        r.share_policies.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
 /// Rate keys database `db` holds in the table (idle ones not yet reclaimed too).
 pub(super) fn rate_keys_of(db: u32) -> u32 {
     record(db, false).map_or(0, |r| r.rate_keys.load(Ordering::Acquire))
@@ -259,6 +280,7 @@ pub(super) fn forget_database(db: u32) {
         r.leases.store(0, Ordering::Relaxed);
         r.rate_keys.store(0, Ordering::Relaxed);
         r.shares.store(0, Ordering::Relaxed);
+        r.share_policies.fetch_add(1, Ordering::AcqRel);
         r.oid.store(0, Ordering::Release);
     }
 }

@@ -82,7 +82,7 @@ pub use counters::Flushed;
 pub use databases::{
     advance_requested, databases_to_load, flusher_commits, loaded, mark_loaded,
     note_flusher_commit, note_loads_requested, note_recovered, recorded_databases, recovered_at,
-    request_advance, request_load, start_kind,
+    request_advance, request_load, share_policies_changed, share_policies_generation, start_kind,
 };
 pub use launcher::{launcher_wakeup, next_flush_id};
 pub use leases::{caps_with_leases_due, LeaseCheck, LeaseInfo, LeaseRefused};
@@ -101,9 +101,7 @@ pub use rates::{
 };
 pub use records::MAX_DATABASES;
 pub use segment::attached;
-pub use shares::dequeue;
-#[cfg_attr(not(feature = "pg_test"), allow(unused_imports))] // until the views use it
-pub use shares::shares_of;
+pub use shares::{dequeue, shares_of, ShareInfo};
 pub use stage_e_core::counters::Counter;
 pub use stage_e_core::state::CapRef;
 pub use waitq::{waiters_of, Ticket, WaiterInfo};

@@ -115,6 +115,34 @@ pub(super) struct WaiterRecord {
     pub(super) share: AtomicU64,
 }
 
+/// A live share's name and its counts since it became live, beside its state record in the
+/// pool (`stage_e_core::fair::ShareRecord`, same index): the views' and the exporter's. A
+/// record reused for another share gets its name, and its counts restart.
+///
+/// Protocol: `shares` (written under the exclusive waits lock, read under it).
+#[repr(C)]
+pub(super) struct ShareNote {
+    /// The name's length in its first byte, then its bytes (63 at most: a share name follows
+    /// the cap-name rules).
+    pub(super) name: [AtomicU64; NAME_WORDS],
+    /// Slots granted to the share, and the microseconds its waiters waited for them.
+    pub(super) granted: AtomicU64,
+    pub(super) wait_us: AtomicU64,
+}
+
+impl ShareNote {
+    /// The share's name; None for the cap's unnamed share.
+    pub(super) fn name(&self) -> Option<String> {
+        let bytes: Vec<u8> = self
+            .name
+            .iter()
+            .flat_map(|w| w.load(Ordering::Relaxed).to_le_bytes())
+            .collect();
+        let len = (bytes[0] as usize).min(bytes.len() - 1);
+        (len > 0).then(|| String::from_utf8_lossy(&bytes[1..1 + len]).into_owned())
+    }
+}
+
 /// Bytes of a reason at most (`stage_e_cap_limits.reason`).
 pub(super) const REASON_WORDS: usize = 8;
 
@@ -197,6 +225,10 @@ pub(super) struct DbRecord {
     /// Share records this database's caps hold (its share of `stage_e_slots.max_shares`;
     /// changed under the waits lock, `shares`).
     pub(super) shares: AtomicU32,
+    /// Bumped by every commit that changed a share policy of this database
+    /// (`stage_e_share`), and when (µs): backends keep the policies they read until it moves.
+    pub(super) share_policies: AtomicU64,
+    pub(super) share_policies_at: AtomicI64,
 }
 
 /// A rate policy on a cap, or on every cap whose name starts with a prefix (`rates`).

@@ -15,8 +15,8 @@
 
 use super::entry::{CapEntry, SlotRecord};
 use super::records::{
-    HazardSlot, Launcher, Lifecycle, PolicyRecord, RateHeader, RatePolicyRecord, WaiterRecord,
-    POLICY_SIZE, RATE_POLICY_SIZE,
+    HazardSlot, Launcher, Lifecycle, PolicyRecord, RateHeader, RatePolicyRecord, ShareNote,
+    WaiterRecord, POLICY_SIZE, RATE_POLICY_SIZE,
 };
 use crate::gucs;
 use pgrx::pg_sys;
@@ -57,7 +57,8 @@ const SIZES: Sizes = Sizes {
     entry: size_of::<CapEntry>(),
     waiter: size_of::<WaiterRecord>(),
     lease: size_of::<LeaseRecord>(),
-    share: size_of::<ShareRecord>(),
+    // A live share: its state (`stage_e_core::fair`) and its note, in two arrays.
+    share: size_of::<ShareRecord>() + size_of::<ShareNote>(),
     policy: POLICY_SIZE,
     rate_policy: RATE_POLICY_SIZE,
     rate: size_of::<RateRecord>(),
@@ -102,6 +103,8 @@ pub(super) struct Segment {
     /// lock, read under it; `shares`), and how many.
     pub(super) shares: *mut ShareRecord,
     pub(super) shares_len: usize,
+    /// Each share record's note (name and counts), same index.
+    pub(super) share_notes: &'static [ShareNote],
     pub(super) policies: &'static [PolicyRecord],
     pub(super) rate_policies: &'static [RatePolicyRecord],
     pub(super) rate_records: &'static [RateRecord],
@@ -227,6 +230,10 @@ impl Segment {
                 leases: std::slice::from_raw_parts(part(l.leases).cast(), c.leases as usize),
                 shares: part(l.shares).cast(),
                 shares_len: c.shares as usize,
+                share_notes: std::slice::from_raw_parts(
+                    part(l.shares + c.shares as usize * size_of::<ShareRecord>()).cast(),
+                    c.shares as usize,
+                ),
                 policies: std::slice::from_raw_parts(part(l.policies).cast(), c.policies as usize),
                 rate_policies: std::slice::from_raw_parts(
                     part(l.rate_policies).cast(),
@@ -254,6 +261,22 @@ impl Segment {
 
     pub(super) fn pages(&self) -> u32 {
         self.header.counts.pages
+    }
+
+    /// The share records, read under the waits lock (either mode; `shares` changes them under
+    /// it, exclusively).
+    pub(super) fn share_records_shared(&self) -> &[ShareRecord] {
+        // SAFETY: `shares_len` records inside the segment, 8-aligned, valid zeroed (`attach`);
+        // writers hold the waits lock exclusively, so under it nothing changes them.
+        unsafe { std::slice::from_raw_parts(self.shares, self.shares_len) }
+    }
+
+    /// The name of the live share `digest` of the cap in entry `e`, under the waits lock
+    /// (either mode); None for the unnamed share or one not live.
+    pub(super) fn share_name(&self, e: &CapEntry, digest: u64) -> Option<String> {
+        stage_e_core::fair::live_shares(&e.clock(), self.share_records_shared())
+            .find(|(_, s)| s.digest == digest)
+            .and_then(|(i, _)| self.share_notes[i].name())
     }
 
     pub(super) fn entry(&self, i: u32) -> &'static CapEntry {

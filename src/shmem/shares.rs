@@ -24,7 +24,7 @@
 
 use super::databases;
 use super::entry::CapEntry;
-use super::records::WaiterRecord;
+use super::records::{ShareNote, WaiterRecord, NAME_WORDS};
 use super::segment::{segment, waits_locked, Segment, EXCLUSIVE, SHARED};
 use super::waitq::{self, fill, free_record, queue_of, queued, wake, Ticket};
 use super::Cap;
@@ -57,14 +57,6 @@ impl Segment {
         // SAFETY: the part is `shares_len` records inside the segment, 8-aligned, valid zeroed
         // (`attach`); exclusivity per the caller.
         unsafe { std::slice::from_raw_parts_mut(self.shares, self.shares_len) }
-    }
-
-    /// The share records, read under the waits lock (either mode).
-    #[cfg_attr(not(feature = "pg_test"), allow(dead_code))] // until the SQL surface uses it
-    fn share_records_shared(&self) -> &[ShareRecord] {
-        // SAFETY: as `share_records`; writers hold the lock exclusively, so under it (shared)
-        // nothing changes them.
-        unsafe { std::slice::from_raw_parts(self.shares, self.shares_len) }
     }
 }
 
@@ -169,6 +161,44 @@ pub(super) fn fair_locked<R>(
     f(&mut fair)
 }
 
+impl ShareNote {
+    /// Under the exclusive lock: the note is share `name`'s (`""`: the unnamed share); a
+    /// record that was another share's gets the name, and its counts restart.
+    fn set(&self, name: &str) {
+        let mut bytes = [0u8; NAME_WORDS * 8];
+        let n = name.len().min(bytes.len() - 1);
+        bytes[0] = n as u8;
+        bytes[1..1 + n].copy_from_slice(&name.as_bytes()[..n]);
+        let same =
+            self.name.iter().zip(bytes.chunks(8)).all(|(w, c)| {
+                w.load(Ordering::Relaxed) == u64::from_le_bytes(c.try_into().unwrap())
+            });
+        if same {
+            return;
+        }
+        for (w, c) in self.name.iter().zip(bytes.chunks(8)) {
+            w.store(
+                u64::from_le_bytes(c.try_into().expect("8 bytes")),
+                Ordering::Relaxed,
+            );
+        }
+        self.granted.store(0, Ordering::Relaxed);
+        self.wait_us.store(0, Ordering::Relaxed);
+    }
+
+    /// Under the exclusive lock: `k` slots granted, after `waited` µs.
+    fn granted(&self, k: u32, waited: u64) {
+        self.granted.fetch_add(k as u64, Ordering::Relaxed);
+        self.wait_us.fetch_add(waited, Ordering::Relaxed);
+    }
+}
+
+/// The note of the record at `at` (`ShareAt`: index + 1).
+fn note(seg: &Segment, at: ShareAt) -> Option<&'static ShareNote> {
+    at.0.checked_sub(1)
+        .and_then(|i| seg.share_notes.get(i as usize))
+}
+
 /// The share that waiters who joined without one are adopted into once their cap has shares:
 /// the unnamed share, weight 1, no ceiling.
 const UNNAMED_SHARE: Share = Share {
@@ -227,6 +257,9 @@ impl Line {
         }
         plain.sort_by_key(|w| w.ticket.load(Ordering::Relaxed));
         f.admit(UNNAMED_SHARE, 1)?;
+        if let Some(n) = f.at_of(UNNAMED).and_then(|at| note(self.seg, at)) {
+            n.set("");
+        }
         for w in plain {
             let x = w.waiter();
             f.join(UNNAMED_SHARE, x.ticket, x.k)?;
@@ -268,8 +301,15 @@ impl Cap {
     /// it take now (within its ceiling; served first while the cap has waiters), its slots are
     /// reserved in its share (charged, counted held) and where its record is is returned, for
     /// the slots' holder records; the caller takes them without the lock, and gives the
-    /// reservation back ([`Cap::give_back_share`]) if it could not.
-    pub fn reserve_now(&self, share: Share, n: u32, k: u32) -> Result<Option<ShareAt>, Refused> {
+    /// reservation back ([`Cap::give_back_share`]) if it could not. `name` is the share's name
+    /// (`""`: the unnamed share), for the views.
+    pub fn reserve_now(
+        &self,
+        share: Share,
+        name: &str,
+        n: u32,
+        k: u32,
+    ) -> Result<Option<ShareAt>, Refused> {
         let Some(line) = Line::of(self) else {
             return Ok(None);
         };
@@ -280,6 +320,10 @@ impl Cap {
                 return Ok(None);
             }
             let at = f.took_now(share, k)?;
+            if let Some(n) = note(line.seg, at) {
+                n.set(name);
+                n.granted(k, 0);
+            }
             line.reseat(f); // a charge moves V, which may reorder the heads
             Ok(Some(at))
         })
@@ -291,6 +335,7 @@ impl Cap {
     pub fn enqueue_in_share(
         &self,
         share: Share,
+        name: &str,
         n: u32,
         k: u32,
         since: i64,
@@ -306,6 +351,9 @@ impl Cap {
             fair_locked(seg, line.e, limit(seg), |f| {
                 line.adopt(f)?;
                 f.admit(share, k)?;
+                if let Some(n) = f.at_of(share.digest).and_then(|at| note(seg, at)) {
+                    n.set(name);
+                }
                 let w = &seg.waiters[record as usize];
                 let ticket = line.e.line.join_in_order(&line.e.waiters, |ticket| {
                     fill(w, line.entry, n, k, since, ticket, share.digest);
@@ -323,10 +371,12 @@ impl Cap {
     /// naming its share's record in their holder records: `share`, 0 for none); taken, the
     /// waiter is granted in its share and leaves the queue, and the front is seated again.
     /// The take is under the lock so that the grant is counted before any release of the
-    /// slots can give them back. None if it may not take now (or `take` found nothing).
+    /// slots can give them back. None if it may not take now (or `take` found nothing). `now`
+    /// is when, for the share's wait time.
     pub fn take_in_line<T, E>(
         &self,
         t: Ticket,
+        now: i64,
         take: impl FnOnce(u32, u32) -> Result<Option<T>, E>,
     ) -> Result<Option<T>, E> {
         let Some(line) = Line::of(self) else {
@@ -350,8 +400,11 @@ impl Cap {
                     w.active.store(0, Ordering::Release);
                     if me.share == 0 {
                         dequeue_plain(line, t, w);
-                    } else {
-                        line.leave(f, me, true);
+                    } else if let Some(at) = line.leave(f, me, true) {
+                        let waited = (now - w.since.load(Ordering::Relaxed)).max(0) as u64;
+                        if let Some(n) = note(seg, at) {
+                            n.granted(me.k, waited);
+                        }
                     }
                 }
                 Ok(got)
@@ -392,41 +445,59 @@ fn dequeue_plain(line: Line, t: Ticket, w: &WaiterRecord) {
     waitq::leave_locked(line.seg, line.e, line.entry, t, w);
 }
 
-/// A live share of a cap, as the views show it (the in-server tests read it until the views
-/// do).
-#[cfg_attr(not(feature = "pg_test"), allow(dead_code))] // until the SQL surface uses it
+/// A live share of a cap, as the views show it.
 pub struct ShareInfo {
     pub cap: String,
-    pub digest: u64,
+    /// None: the cap's unnamed share.
+    pub name: Option<String>,
     pub weight: u32,
     pub ceiling: Option<u32>,
     pub held: u32,
     pub waiting: u32,
+    /// Slots granted since the share became live, and how long its waiters waited for them.
+    pub granted: u64,
+    pub wait_us: u64,
 }
 
 /// The live shares of database `db`'s caps.
-#[cfg_attr(not(feature = "pg_test"), allow(dead_code))] // until the SQL surface uses it
 pub fn shares_of(db: u32) -> Vec<ShareInfo> {
     let Some(seg) = segment() else {
         return Vec::new();
     };
     waits_locked(SHARED, || {
         let records = seg.share_records_shared();
-        seg.live()
-            .filter(|e| e.database() == db && e.has_shares())
-            .flat_map(|e| {
-                let name = e.name();
-                stage_e_core::fair::live_shares(&e.clock(), records)
-                    .map(move |s| ShareInfo {
-                        cap: name.clone(),
-                        digest: s.digest,
-                        weight: s.weight,
-                        ceiling: (s.ceiling != stage_e_core::fair::NO_CEILING).then_some(s.ceiling),
-                        held: s.held,
-                        waiting: s.waiting,
-                    })
-                    .collect::<Vec<_>>()
-            })
-            .collect()
+        let mut out = Vec::new();
+        for e in seg.live().filter(|e| e.database() == db && e.has_shares()) {
+            let cap = e.name();
+            for (i, s) in stage_e_core::fair::live_shares(&e.clock(), records) {
+                let n = &seg.share_notes[i];
+                out.push(ShareInfo {
+                    cap: cap.clone(),
+                    name: n.name(),
+                    weight: s.weight,
+                    ceiling: (s.ceiling != NO_CEILING).then_some(s.ceiling),
+                    held: s.held,
+                    waiting: s.waiting,
+                    granted: n.granted.load(Ordering::Relaxed),
+                    wait_us: n.wait_us.load(Ordering::Relaxed),
+                });
+            }
+        }
+        out
     })
+}
+
+impl Cap {
+    /// The name of the share slot `slot` was taken in (None: none, or the unnamed share), for
+    /// the holders view.
+    pub fn share_of(&self, slot: u32) -> Option<String> {
+        let at = self.record(slot).share().checked_sub(1)? as usize;
+        let seg = segment()?;
+        waits_locked(SHARED, || {
+            let live =
+                stage_e_core::fair::live_shares(&self.entry().clock(), seg.share_records_shared())
+                    .any(|(i, _)| i == at);
+            live.then(|| seg.share_notes[at].name()).flatten()
+        })
+    }
 }

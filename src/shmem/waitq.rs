@@ -50,6 +50,8 @@ pub struct WaiterInfo {
     pub k: u32,
     pub since: i64,
     pub position: u32,
+    /// The share it waits in (None: none, or the cap's unnamed share).
+    pub share: Option<String>,
 }
 
 /// The waiter records of the cap in entry `entry`, under the waits lock.
@@ -204,6 +206,10 @@ pub fn waiters_of(db: u32) -> Vec<WaiterInfo> {
                         k: w.k.load(Ordering::Relaxed),
                         since: w.since.load(Ordering::Relaxed),
                         position: 0,
+                        share: match w.share.load(Ordering::Relaxed) {
+                            0 => None,
+                            digest => seg.share_name(e, digest),
+                        },
                     };
                     (i, w.ticket.load(Ordering::Relaxed), info)
                 })

@@ -40,7 +40,7 @@ pub fn lease(
     n: Option<i32>,
     ttl_us: Option<i64>,
     wait: Wait,
-    share: Option<super::shares::Share>,
+    share: Option<&str>,
 ) -> Result<Option<Got>, SlotError> {
     let ttl_us = check_ttl(ttl_us)?;
     let kind = Kind::Lease { ttl_us };

@@ -145,6 +145,11 @@ pub fn apply_committed(changes: Vec<session::PendingPolicy>) {
                 super::rates::apply_committed(db, &c.cap, policy, c.log);
                 continue;
             }
+            session::Change::Share => {
+                shmem::share_policies_changed(db, now);
+                crate::report::log(c.log);
+                continue;
+            }
         };
         match shmem::apply_policy(db, &c.cap, change, now) {
             Ok(()) => crate::report::log(c.log),

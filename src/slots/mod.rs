@@ -202,7 +202,7 @@ fn for_acquire(name: &str, n: u32) -> Result<Cap, SlotError> {
 /// waiters, of those no waiter can use), now held by this session, or None (throttled, counted
 /// once).
 pub fn try_slot(cap: Option<&str>, n: Option<i32>) -> Result<Option<u32>, SlotError> {
-    Ok(try_slots(cap, n, Some(1), Wait::No)?.map(|t| t.first().slot))
+    Ok(try_slots(cap, n, Some(1), Wait::No, None)?.map(|t| t.first().slot))
 }
 
 /// Slots taken by one call: one (the common case, without an allocation) or several.
@@ -236,27 +236,17 @@ impl Taken {
 /// could use, or while the free slots cover it and everyone ahead of it
 /// (`stage_e_core::front`). So a waiter gets its slots from the very next releases it can use,
 /// whatever the traffic of other calls, and a call on slots no waiter wants is not held back.
+///
+/// In `share` (`shares`; None: the cap's unnamed share, once the cap has shares), the order
+/// is the cap's fair queue's instead of arrival order.
 pub fn try_slots(
     cap: Option<&str>,
     n: Option<i32>,
     k: Option<i32>,
     wait: Wait,
+    share: Option<&str>,
 ) -> Result<Option<Taken>, SlotError> {
-    acquire(cap, n, k, wait, Kind::Session, None)
-}
-
-/// k slots of `[0, n)` in `share` (`shares::named`), waiting up to `wait`: what
-/// `stage_e_try_slots(cap, n, k, wait, share)` is to do (issue 38; until its SQL names
-/// shares, only the tests do).
-#[cfg_attr(not(feature = "pg_test"), allow(dead_code))] // until the SQL surface uses it
-pub fn try_slots_in_share(
-    cap: Option<&str>,
-    n: Option<i32>,
-    k: Option<i32>,
-    wait: Wait,
-    share: shares::Share,
-) -> Result<Option<Taken>, SlotError> {
-    acquire(cap, n, k, wait, Kind::Session, Some(share))
+    acquire(cap, n, k, wait, Kind::Session, share)
 }
 
 /// The acquisition pipeline, one named stage per concern, so that a new check is one more
@@ -276,8 +266,10 @@ fn acquire(
     k: Option<i32>,
     wait: Wait,
     kind: Kind,
-    share: Option<shares::Share>,
+    share: Option<&str>,
 ) -> Result<Option<Taken>, SlotError> {
+    shares::check_share_name(share)?;
+    let name = cap;
     let Some(Admitted {
         cap,
         n,
@@ -291,7 +283,7 @@ fn acquire(
     let gate = gate.as_deref();
     // A call in a share, or on a cap with shares (one load), through the cap's fair queue.
     if share.is_some() || cap.has_shares() {
-        return in_share(cap, n, k, wait, kind, gate, share);
+        return in_share(cap, name, n, k, wait, kind, gate, share);
     }
     // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
     // at the slots no waiter can use.
@@ -303,32 +295,34 @@ fn acquire(
     not_taken(cap, n, k, wait, kind, gate)
 }
 
-/// A call in `share` (None: the cap's unnamed share) on a cap with shares (`shares`): taken
-/// now through the fair queue, or (after freeing what expired, as `not_taken` does) in line in
-/// its share, or throttled.
+/// A call in `share` (None: the cap's unnamed share) of cap `name` (`shares`): its policy
+/// found, taken now through the fair queue, or (after freeing what expired, as `not_taken`
+/// does) in line in its share, or throttled.
 #[cold]
 #[inline(never)]
+#[allow(clippy::too_many_arguments)]
 fn in_share(
     cap: Cap,
+    name: Option<&str>,
     n: u32,
     k: u32,
     wait: Wait,
     kind: Kind,
     gate: Option<&rates::Gate>,
-    share: Option<shares::Share>,
+    share: Option<&str>,
 ) -> Result<Option<Taken>, SlotError> {
-    let share = share.unwrap_or_else(shares::unnamed);
+    let call = shares::resolve(check_name(name)?, share)?;
     let now = session::statement_start();
-    if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, share)? {
+    if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, &call)? {
         return Ok(Some(record(&cap, k, got)));
     }
     let expired = expire_due(&cap);
     if held::reconcile_cap(&cap) + expired > 0 {
-        if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, share)? {
+        if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, &call)? {
             return Ok(Some(record(&cap, k, got)));
         }
     }
-    in_line_or_throttled(cap, n, k, wait, kind, gate, Some(share))
+    in_line_or_throttled(cap, n, k, wait, kind, gate, Some(&call))
 }
 
 /// A call admitted to search: its cap pinned, the n it may search (the adaptive limit
@@ -507,7 +501,7 @@ fn in_line_or_throttled(
     wait: Wait,
     kind: Kind,
     gate: Option<&rates::Gate>,
-    share: Option<shares::Share>,
+    share: Option<&shares::CallShare>,
 ) -> Result<Option<Taken>, SlotError> {
     let deadline = match wait {
         Wait::No => None,

@@ -24,42 +24,204 @@
 //! its slots under the waits lock (`Cap::take_in_line`), so that its grant is counted in its
 //! share before any release of those slots can give them back.
 
-use super::{Kind, SlotError, Taken};
+//! A share's policy (weight, ceiling) is the row of `stage_e_share_policy` for the cap and the
+//! share, else the cap's `'*'` row, else weight 1 and no ceiling. `stage_e_share` writes it in
+//! the caller's transaction; its commit moves the database's generation of share policies
+//! (`shmem::share_policies_changed`), and each backend keeps the policies it read for a cap
+//! while the generation stays ([`POLICIES`]). Read with the transaction's snapshot, a policy
+//! is kept only if the transaction began after the generation last moved, so a snapshot older
+//! than the commit is never kept under the new generation.
+
+use super::{check_name, ready, Kind, SlotError, Taken};
+use crate::backend::BackendLocal;
 use crate::gucs;
+use crate::names::{quoted, Text};
 use crate::session;
 use crate::shmem::{self, Cap};
+use crate::sql;
+use pgrx::datum::DatumWithOid;
 use stage_e_core::directory;
 pub use stage_e_core::fair::Share;
-use stage_e_core::fair::{Refused, MAX_WEIGHT, NO_CEILING};
+use stage_e_core::fair::{Refused, MAX_WEIGHT, NO_CEILING, UNNAMED};
+use std::cell::RefCell;
+use std::collections::HashMap;
 
-/// The share named `name` of this database (the in-server tests name shares until the SQL
-/// surface does), with its weight (1 to 16) and ceiling (None: no
-/// ceiling; at least 1): class 22 for a bad name, weight or ceiling.
-#[cfg_attr(not(feature = "pg_test"), allow(dead_code))] // until the SQL surface uses it
-pub fn named(name: &str, weight: i32, ceiling: Option<i32>) -> Result<Share, SlotError> {
-    directory::check_name(name).map_err(SlotError::BadShareName)?;
-    if !(1..=MAX_WEIGHT as i32).contains(&weight) {
-        return Err(SlotError::BadShareWeight { weight });
+/// The name of the share that applies to every share of a cap without a policy row of its own.
+pub const DEFAULT_SHARE: &str = "*";
+
+/// A call's share: its name (`""`: the cap's unnamed share) and its policy.
+#[derive(Clone, Debug)]
+pub struct CallShare {
+    pub name: String,
+    pub share: Share,
+}
+
+/// A cap's share policies as read: `(weight, ceiling)` by share name, `'*'` included.
+type CapPolicies = HashMap<String, (u32, u32)>;
+
+/// This backend's share policies, by cap, and the generation they were read at.
+struct Policies {
+    generation: u64,
+    caps: HashMap<String, CapPolicies>,
+}
+
+static POLICIES: BackendLocal<RefCell<Option<Policies>>> = BackendLocal::new(RefCell::new(None));
+
+/// A share name argument: class 22 unless it follows the cap-name rules (checked before the
+/// call changes anything: before its cap is made).
+#[inline]
+pub(super) fn check_share_name(share: Option<&str>) -> Result<(), SlotError> {
+    match share {
+        Some(s) => directory::check_name(s).map_err(SlotError::BadShareName),
+        None => Ok(()),
     }
-    let ceiling = match ceiling {
-        None => NO_CEILING,
-        Some(c) if c >= 1 => c as u32,
-        Some(c) => return Err(SlotError::BadShareCeiling { ceiling: c }),
+}
+
+/// The share a call on `cap` names (None: the cap's unnamed share), with its policy.
+pub(super) fn resolve(cap: &str, share: Option<&str>) -> Result<CallShare, SlotError> {
+    let name = share.unwrap_or("");
+    let (weight, ceiling) = policy(cap, name)?;
+    let digest = if name.is_empty() {
+        UNNAMED
+    } else {
+        shmem::share_digest(session::database(), name)
     };
-    Ok(Share {
-        digest: shmem::share_digest(session::database(), name),
-        weight: weight as u32,
-        ceiling,
+    Ok(CallShare {
+        name: name.to_string(),
+        share: Share {
+            digest,
+            weight,
+            ceiling,
+        },
     })
 }
 
-/// The cap's unnamed share: where a call without a share is, on a cap with shares.
-pub fn unnamed() -> Share {
-    Share {
-        digest: shmem::share_digest(session::database(), ""),
-        weight: 1,
-        ceiling: NO_CEILING,
+/// The policy of share `name` of `cap`: its row, else the cap's `'*'` row, else weight 1 and
+/// no ceiling.
+fn policy(cap: &str, name: &str) -> Result<(u32, u32), SlotError> {
+    let (generation, moved_at) = shmem::share_policies_generation(session::database());
+    let cached = POLICIES.with_borrow(|p| {
+        p.as_ref()
+            .filter(|p| p.generation == generation)
+            .and_then(|p| p.caps.get(cap))
+            .map(|c| pick(c, name))
+    });
+    if let Some(found) = cached {
+        return Ok(found);
     }
+    let read = read_policies(cap)?;
+    let found = pick(&read, name);
+    // Kept only if this transaction's snapshot is younger than the last commit of a policy.
+    if moved_at < session::transaction_start() {
+        POLICIES.with_borrow_mut(|p| {
+            let p = p.get_or_insert_with(|| Policies {
+                generation,
+                caps: HashMap::new(),
+            });
+            if p.generation != generation {
+                p.generation = generation;
+                p.caps.clear();
+            }
+            p.caps.insert(cap.to_string(), read);
+        });
+    }
+    Ok(found)
+}
+
+fn pick(c: &CapPolicies, name: &str) -> (u32, u32) {
+    c.get(name)
+        .or_else(|| c.get(DEFAULT_SHARE))
+        .copied()
+        .unwrap_or((1, NO_CEILING))
+}
+
+/// `cap`'s rows of `stage_e_share_policy` (none in a database whose extension is older than
+/// 0.11.0, or where it is not installed).
+fn read_policies(cap: &str) -> Result<CapPolicies, SlotError> {
+    let Some(ext) = sql::extension().filter(|e| e.version.has_shares()) else {
+        return Ok(CapPolicies::new());
+    };
+    sql::read(|c| {
+        let mut out = CapPolicies::new();
+        for r in c.select(
+            &sql::share_policies_query(&ext),
+            None,
+            &[DatumWithOid::from(cap)],
+        )? {
+            let share = r.get::<Text>(1)?.unwrap_or_default().0;
+            // Rows a superuser edited past the checks' bounds: the nearest valid ones.
+            let weight = r.get::<i32>(2)?.unwrap_or(1).clamp(1, MAX_WEIGHT as i32) as u32;
+            let ceiling = r.get::<i32>(3)?.map_or(NO_CEILING, |m| m.max(1) as u32);
+            out.insert(share, (weight, ceiling));
+        }
+        Ok(out)
+    })
+    .map_or_else(
+        |e| crate::report::fail(format!("reading the share policies of a cap: {e}")),
+        Ok,
+    )
+}
+
+/// `stage_e_share(cap, share, weight, max_slots)`: from the commit of the calling transaction,
+/// share `share` of `cap` (or, for `'*'`, every share of it without a row of its own) has this
+/// weight and ceiling. Bad input is class 22 and writes nothing.
+pub fn set_policy(
+    cap: Option<&str>,
+    share: Option<&str>,
+    weight: Option<i32>,
+    max_slots: Option<i32>,
+) -> Result<(), SlotError> {
+    ready()?;
+    super::admission::ensure_loaded()?;
+    let cap = check_name(cap)?;
+    let share = share.ok_or(SlotError::NullArgument { name: "share" })?;
+    if share != DEFAULT_SHARE {
+        check_share_name(Some(share))?;
+    }
+    let weight = weight.ok_or(SlotError::NullArgument { name: "weight" })?;
+    if !(1..=MAX_WEIGHT as i32).contains(&weight) {
+        return Err(SlotError::BadShareWeight { weight });
+    }
+    if let Some(m) = max_slots.filter(|m| *m < 1) {
+        return Err(SlotError::BadShareCeiling { ceiling: m });
+    }
+    let Some(ext) = sql::extension() else {
+        return Err(SlotError::NotLoaded);
+    };
+    sql::write(
+        &sql::share_write_query(&ext),
+        &[
+            DatumWithOid::from(cap),
+            DatumWithOid::from(share),
+            DatumWithOid::from(weight),
+            DatumWithOid::from(max_slots),
+        ],
+    )
+    .unwrap_or_else(|e| crate::report::fail(format!("stage_e_share: {e}")));
+    let which = if share == DEFAULT_SHARE {
+        "every other share".to_string()
+    } else {
+        format!("share {}", quoted(share))
+    };
+    let log = format!(
+        "stage_e_slots: role {} gave {which} of cap {} of database {} weight {weight} and {}",
+        quoted(&sql::current_role()),
+        quoted(cap),
+        quoted(&sql::current_database()),
+        max_slots.map_or("no ceiling".to_string(), |m| format!("at most {m} slots")),
+    );
+    session::policy_changed(cap, session::Change::Share, log);
+    Ok(())
+}
+
+/// A live share of a cap, for `stage_e_shares`.
+pub use shmem::ShareInfo;
+
+/// The live shares of this database's caps (`stage_e_shares`); reading needs the shared state
+/// only.
+pub fn live() -> Result<Vec<ShareInfo>, SlotError> {
+    super::attached()?;
+    Ok(shmem::shares_of(session::database()))
 }
 
 /// What a refusal of the fair queue says to the caller, for a call of `k` slots in `share`.
@@ -89,13 +251,14 @@ pub(super) fn take_now(
     at: i64,
     kind: Kind,
     gate: Option<&super::rates::Gate>,
-    share: Share,
+    call: &CallShare,
 ) -> Result<Option<Taken>, SlotError> {
+    let share = call.share;
     if k > share.ceiling {
         return Err(refused(Refused::Ceiling, share, k));
     }
     let Some(place) = cap
-        .reserve_now(share, n, k)
+        .reserve_now(share, &call.name, n, k)
         .map_err(|r| refused(r, share, k))?
     else {
         return Ok(None);

@@ -52,6 +52,8 @@ pub struct Holder {
     /// A lease's token and expiry; None for a session slot.
     pub token: Option<u64>,
     pub expires_at: Option<i64>,
+    /// The fair share the slot was taken in (None: none, or the cap's unnamed share).
+    pub share: Option<String>,
 }
 
 /// A cap held back after a crash or a promotion (`stage_e_held_back`).
@@ -166,24 +168,23 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
         .into_iter()
         .filter_map(|g| {
             let (name, cap) = by_key.get(&g.key)?;
-            let acquired_at = cap
+            let ours = cap
                 .as_ref()
                 .filter(|c| g.slot < c.capacity())
-                .map(|c| c.record(g.slot).get())
-                .filter(|&(pid, _)| pid == g.pid)
-                .map(|(_, at)| at);
+                .filter(|c| c.record(g.slot).get().0 == g.pid);
             Some(Holder {
                 cap: name.clone(),
                 slot: g.slot,
                 pid: g.pid,
-                acquired_at,
+                acquired_at: ours.map(|c| c.record(g.slot).get().1),
                 token: None,
                 expires_at: None,
+                share: ours.and_then(|c| c.share_of(g.slot)),
             })
         })
         .collect();
     out.extend(leases.into_iter().filter_map(|(key, l)| {
-        let (name, _) = by_key.get(&key)?;
+        let (name, cap) = by_key.get(&key)?;
         Some(Holder {
             cap: name.clone(),
             slot: l.slot,
@@ -192,6 +193,10 @@ pub fn holders() -> Result<Vec<Holder>, SlotError> {
             // Another role's token is a key to its slot: shown only to who may see it.
             token: session::may_see_token_of(l.owner).then_some(l.token),
             expires_at: Some(l.expires_at),
+            share: cap
+                .as_ref()
+                .filter(|c| l.slot < c.capacity())
+                .and_then(|c| c.share_of(l.slot)),
         })
     }));
     out.sort_by(|a, b| (&a.cap, a.slot).cmp(&(&b.cap, b.slot)));

@@ -13,13 +13,13 @@
 //! the client's socket is checked at every timed-out sleep (at least every [`RECHECK`] or two),
 //! so a client that went away ends the wait too.
 
+use super::shares::CallShare;
 use super::{Kind, SlotError, Taken};
 use crate::backend::BackendLocal;
 use crate::ffi;
 use crate::session;
 use crate::shmem::{self, Cap, CapRef, Counter, Ticket};
 use pgrx::pg_sys;
-use stage_e_core::fair::Share;
 use stage_e_core::histogram::Metric;
 use std::cell::Cell;
 use std::time::Duration;
@@ -88,16 +88,20 @@ pub(super) fn wait_in_line(
     deadline: Option<std::time::Instant>,
     kind: Kind,
     gate: Option<&super::rates::Gate>,
-    share: Option<Share>,
+    share: Option<&CallShare>,
 ) -> Result<Option<Taken>, SlotError> {
     let started = session::now();
     let counters = cap.counters();
-    let in_share = share.or_else(|| cap.has_shares().then(super::shares::unnamed));
-    let ticket = match in_share {
+    // A cap that has shares since this call looked: its unnamed share.
+    let unnamed = match share {
+        None if cap.has_shares() => Some(super::shares::resolve(&cap.name(), None)?),
+        _ => None,
+    };
+    let ticket = match share.or(unnamed.as_ref()) {
         None => cap.enqueue(n, k, started),
         Some(s) => cap
-            .enqueue_in_share(s, n, k, started)
-            .map_err(|r| super::shares::refused(r, s, k))?,
+            .enqueue_in_share(s.share, &s.name, n, k, started)
+            .map_err(|r| super::shares::refused(r, s.share, k))?,
     }
     .ok_or(SlotError::NoWaiterRecord)?;
     counters.bump(Counter::Waits, 1);
@@ -118,7 +122,7 @@ pub(super) fn wait_in_line(
             // counted in the share as it is taken. Else without the lock, from where the
             // front says.
             let got = if cap.has_shares() {
-                cap.take_in_line(ticket, |from, at| {
+                cap.take_in_line(ticket, session::now(), |from, at| {
                     super::take(&cap, n, k, from, session::now(), kind, gate, at)
                 })?
             } else {

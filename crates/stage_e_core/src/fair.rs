@@ -254,25 +254,30 @@ pub struct ShareView {
     pub waiting: u32,
 }
 
-/// The live shares of the cap whose clock is `clock`, from the pool's `records` (read under
-/// the queue lock, in either mode): those that hold or wait for slots (a record that only
+/// The live shares of the cap whose clock is `clock`, with their index in the pool's
+/// `records` (read under the queue lock, in either mode): those that hold or wait for slots (a record that only
 /// owes its last request is not shown: it is forgotten as soon as that is paid).
 pub fn live_shares<'r>(
     clock: &Clock,
     records: &'r [ShareRecord],
-) -> impl Iterator<Item = ShareView> + 'r {
+) -> impl Iterator<Item = (usize, ShareView)> + 'r {
     Chain {
         shares: records,
         at: clock.first,
     }
-    .map(|i| &records[i])
-    .filter(|r| r.digest != 0 && !r.idle())
-    .map(|r| ShareView {
-        digest: r.digest,
-        weight: r.weight,
-        ceiling: r.ceiling,
-        held: r.held,
-        waiting: r.waiting,
+    .filter(|&i| records[i].digest != 0 && !records[i].idle())
+    .map(|i| {
+        let r = &records[i];
+        (
+            i,
+            ShareView {
+                digest: r.digest,
+                weight: r.weight,
+                ceiling: r.ceiling,
+                held: r.held,
+                waiting: r.waiting,
+            },
+        )
     })
 }
 

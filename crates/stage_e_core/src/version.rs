@@ -28,13 +28,17 @@ pub enum SchemaVersion {
     V0_9_0,
     /// Rate limits: `stage_e_try_rate`, `stage_e_rate_limit`, the `rate_limited` counter.
     V0_10_0,
+    /// Fair shares: the `share` argument of the waiting acquisitions, `stage_e_share` and its
+    /// table `stage_e_share_policy`, the view `stage_e_shares`, `share` in the holders' and
+    /// waiters' views.
+    V0_11_0,
 }
 
 impl SchemaVersion {
     /// The version of this library's own install script.
-    pub const CURRENT: SchemaVersion = SchemaVersion::V0_10_0;
+    pub const CURRENT: SchemaVersion = SchemaVersion::V0_11_0;
 
-    pub const ALL: [SchemaVersion; 10] = [
+    pub const ALL: [SchemaVersion; 11] = [
         SchemaVersion::V0_1_0,
         SchemaVersion::V0_2_0,
         SchemaVersion::V0_3_0,
@@ -45,6 +49,7 @@ impl SchemaVersion {
         SchemaVersion::V0_8_0,
         SchemaVersion::V0_9_0,
         SchemaVersion::V0_10_0,
+        SchemaVersion::V0_11_0,
     ];
 
     /// `pg_extension.extversion` as a version; None for one this library does not know.
@@ -64,6 +69,7 @@ impl SchemaVersion {
             SchemaVersion::V0_8_0 => "0.8.0",
             SchemaVersion::V0_9_0 => "0.9.0",
             SchemaVersion::V0_10_0 => "0.10.0",
+            SchemaVersion::V0_11_0 => "0.11.0",
         }
     }
 
@@ -106,6 +112,11 @@ impl SchemaVersion {
         self >= SchemaVersion::V0_10_0
     }
 
+    /// Fair shares: `stage_e_share`, its policies in `stage_e_share_policy`.
+    pub fn has_shares(self) -> bool {
+        self >= SchemaVersion::V0_11_0
+    }
+
     /// How many counters (of `counters::CounterValues::NAMES`, in order) its table and
     /// functions have.
     pub fn counter_columns(self) -> usize {
@@ -118,7 +129,7 @@ impl SchemaVersion {
             | SchemaVersion::V0_7_0
             | SchemaVersion::V0_8_0
             | SchemaVersion::V0_9_0 => crate::counters::COUNT_0_9_0,
-            SchemaVersion::V0_10_0 => crate::counters::COUNT,
+            SchemaVersion::V0_10_0 | SchemaVersion::V0_11_0 => crate::counters::COUNT,
         }
     }
 }

@@ -103,7 +103,7 @@ from ._common import DEFAULT_CAP, LeaseLost, Rate, RateDecision, RatePolicyError
 from ._leases import Lease, stage_e_lease
 from ._slots import SlotConnection, connection_for, stage_e_slot, try_rate
 
-__version__ = "0.10.0"
+__version__ = "0.11.0"
 
 __all__ = [
     "DEFAULT_CAP",

@@ -167,7 +167,7 @@ fn clock_and_pool_head_pack_into_words_and_back() {
     };
     assert_eq!(Clock::unpack(edge.pack()), edge);
     // The views' reading of the chain: both shares, their policy and counts.
-    let mut live: Vec<ShareView> = live_shares(&clock, &t.records).collect();
+    let mut live: Vec<ShareView> = live_shares(&clock, &t.records).map(|(_, s)| s).collect();
     live.sort_by_key(|s| s.digest);
     assert_eq!(
         live,

@@ -1,0 +1,60 @@
+//! Fair shares of a cap (`stage_e_share`, restricted: EXECUTE revoked from PUBLIC, as a share's
+//! policy binds every role that uses the cap) and the live shares behind `stage_e_shares`. The
+//! `share` argument of the waiting acquisitions is in `slots` and `leases`.
+
+use super::CapArg;
+use crate::errors::raise;
+use crate::hooks;
+use crate::names::Text;
+use crate::slots;
+use crate::sql;
+use pgrx::prelude::*;
+
+/// From the commit of the calling transaction, share `share` of cap `cap` (or, for `'*'`,
+/// every share of the cap without a policy of its own, the unnamed share included) has weight
+/// `weight` (1 to 16) and holds at most `max_slots` of the cap's slots at once (NULL: no
+/// ceiling).
+#[pg_extern(volatile, parallel_unsafe)]
+fn stage_e_share(
+    cap: Option<CapArg<'_>>,
+    share: Option<CapArg<'_>>,
+    weight: default!(Option<i32>, "1"),
+    max_slots: default!(Option<i32>, "NULL"),
+) {
+    let _call = crate::report::calling("stage_e_share");
+    hooks::ensure(); // moves the database's generation of share policies at the commit
+    slots::shares::set_policy(cap.as_deref(), share.as_deref(), weight, max_slots)
+        .unwrap_or_else(|e| raise(e))
+}
+
+/// One row per live share of a cap of the current database. Behind the view `stage_e_shares`.
+#[pg_extern(volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)]
+fn stage_e_shares_internal() -> TableIterator<
+    'static,
+    (
+        name!(cap, Text),
+        name!(share, Option<Text>),
+        name!(weight, i32),
+        name!(max_slots, Option<i32>),
+        name!(held, i32),
+        name!(waiting, i32),
+        name!(granted, i64),
+        name!(wait_time, Interval),
+    ),
+> {
+    let _call = crate::report::calling("stage_e_shares_internal");
+    let rows = slots::shares::live().unwrap_or_else(|e| raise(e));
+    TableIterator::new(rows.into_iter().map(|s| {
+        (
+            Text(s.cap),
+            s.name.map(Text),
+            s.weight as i32,
+            s.ceiling.map(|c| c as i32),
+            s.held as i32,
+            s.waiting as i32,
+            s.granted as i64,
+            sql::interval_us(s.wait_us),
+        )
+    }))
+}
