@@ -55,6 +55,7 @@ static COUNTER_RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(0);
 static DATABASE_SHARE: GucSetting<i32> = GucSetting::<i32>::new(100);
 static MAX_SESSION_SLOTS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_MAX_SESSION_SLOTS);
 static FLUSH_GIVE_UP_MS: GucSetting<i32> = GucSetting::<i32>::new(DEFAULT_FLUSH_GIVE_UP_MS);
+static EXPORT_SHARES: GucSetting<bool> = GucSetting::<bool>::new(true);
 
 pub fn init() {
     GucRegistry::define_int_guc(
@@ -143,6 +144,16 @@ pub fn init() {
         16,
         MAX_MAX_SHARES,
         GucContext::Postmaster,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_bool_guc(
+        c"stage_e_slots.export_shares",
+        c"Whether the exporter's query of fair shares (monitoring/postgres_exporter.yaml) returns rows.",
+        c"One series per live share of each cap: with many tenants, set it off for the \
+          exporter's role (ALTER ROLE monitor SET stage_e_slots.export_shares = off). It \
+          changes nothing else; the view stage_e_shares shows the shares either way.",
+        &EXPORT_SHARES,
+        GucContext::Userset,
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(

@@ -63,6 +63,8 @@ ADAPTIVE = {"stage_e_slots_adaptive_limit": "limit",  # metric: stage_e_cap_limi
             "stage_e_slots_adaptive_max_slots": "max_slots"}
 ADAPTIVE_SECONDS = {"stage_e_slots_adaptive_baseline_hold_seconds": "baseline_hold",
                     "stage_e_slots_adaptive_recent_hold_seconds": "recent_hold"}
+SHARES = {"stage_e_slots_share_held": "held",  # metric: stage_e_shares column
+          "stage_e_slots_share_waiting": "waiting"}
 MAIN_PANELS = ["Held vs n", "Throttle rate", "Wait time p50 / p99", "Hold time p50 / p99"]
 FLOAT_TOLERANCE = 1e-6  # seconds: the exporter prints float8s in full
 
@@ -169,9 +171,11 @@ def snapshot(conn):
     limits = {r["cap"]: r for r in rows(
         conn, 'SELECT cap, "limit", min_slots, max_slots, enforce, baseline_hold, recent_hold '
               "FROM stage_e_cap_limits")}
+    shares = {(r["cap"], r["share"]): r for r in rows(
+        conn, "SELECT cap, share, held, waiting FROM stage_e_shares")}
     stable = {"stats": stats_rows, "hist": hist, "flushed": flushed, "pending": pending,
               "waiters": {c: r["n"] for c, r in waiting.items()}, "interval": interval,
-              "limits": limits}
+              "limits": limits, "shares": shares}
     age = {}
     for cap, (_, any_pending) in pending.items():
         last = max(t for t in (flushed.get(cap, {}).get("flushed_at"), start) if t)
@@ -341,7 +345,8 @@ def test_exporter_serves_every_documented_metric_equal_to_sql(cluster, db, sessi
     assert take(holder, "reports", CAPS["reports"]) == CAPS["reports"] - 1
     waiting_conn = cluster.connect(db, "still-waiting")
     sessions.append(waiting_conn)
-    waiting = Waiter(waiting_conn, "SELECT stage_e_try_slot('exports', 2, '60 s')")
+    # In a fair share: the per-share series show it waiting.
+    waiting = Waiter(waiting_conn, "SELECT stage_e_try_slot('exports', 2, '60 s', 'tenant')")
     try:
         wait_for(lambda: one(other, "SELECT count(*) FROM stage_e_slot_waiters "
                                     "WHERE pid = %s", (waiting.pid,)) == 1,
@@ -372,10 +377,12 @@ def test_exporter_serves_every_documented_metric_equal_to_sql(cluster, db, sessi
                                 f"not documented: {sorted(served - expected)}")
     for name in expected:
         assert got.types.get(name) == documented[name], (name, got.types.get(name))
-    # Labels: db, cap and server; le on buckets; nothing of another database.
+    # Labels: db, cap and server; le on buckets, share on the shares'; nothing of another
+    # database.
     for name, samples in ours.items():
         for labels, _ in samples:
-            extra = {"le"} if name.endswith("_bucket") else set()
+            extra = {"le"} if name.endswith("_bucket") else {"share"} if name in SHARES \
+                else set()
             assert set(labels) == {"db", "cap", "server"} | extra, (name, labels)
             assert labels["db"] == db and labels["server"] == server, (name, labels)
 
@@ -431,6 +438,12 @@ def test_exporter_serves_every_documented_metric_equal_to_sql(cluster, db, sessi
         else:
             assert math.isclose(value, want.total_seconds(), abs_tol=FLOAT_TOLERANCE), name
     assert got.series("stage_e_slots_adaptive_limit", **base, cap="reports") == []
+    # The live share, as stage_e_shares says: the waiter's, holding nothing yet.
+    assert set(sql["shares"]) == {("exports", "tenant")}
+    lab = {**base, "cap": "exports", "share": "tenant"}
+    for name, column in SHARES.items():
+        assert got.value(name, **lab) == sql["shares"][("exports", "tenant")][column], name
+    assert got.value("stage_e_slots_share_waiting", **lab) == 1
 
     # The waiter and the throttle after the flush make these nonzero.
     assert got.value("stage_e_slots_waiters", **base, cap="exports") == 1
@@ -642,3 +655,17 @@ def test_a_cap_held_back_after_a_crash_is_exported():
         if exporter is not None:
             exporter.stop()
         c.destroy()
+
+
+def test_the_share_query_returns_no_rows_with_export_shares_off(cluster, db):
+    """stage_e_slots.export_shares = off (for the exporter's role, or a session) leaves the
+    per-share series out: the exporter's own query returns no rows, and on again, one per live
+    share."""
+    text = QUERIES.read_text().split("\nstage_e_slots_share:\n  query: |\n", 1)[1]
+    query = text.split("\n  master:", 1)[0]
+    with cluster.connect(db, "holder") as holder, cluster.connect(db, "monitor") as monitor:
+        assert one(holder, "SELECT stage_e_try_slot('exports', 2, '0', 'tenant')") == 0
+        assert monitor.execute(query).fetchall() == [(db, "exports", "tenant", 1, 0)]
+        monitor.execute("SET stage_e_slots.export_shares = off")
+        assert monitor.execute(query).fetchall() == []
+        assert one(monitor, "SELECT count(*) FROM stage_e_shares") == 1  # the view either way

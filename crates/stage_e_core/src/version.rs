@@ -150,14 +150,15 @@ mod unit {
 
     #[test]
     fn what_each_version_has() {
+        use crate::counters::COUNT;
         use SchemaVersion::*;
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.counter_columns()),
-            [5, 5, 9, 10, 10, 10, 10, 10, 10, crate::counters::COUNT]
+            [5, 5, 9, 10, 10, 10, 10, 10, 10, COUNT, COUNT]
         );
         assert_eq!(
             SchemaVersion::ALL.map(|v| v.has_named_caps()),
-            [false, true, true, true, true, true, true, true, true, true]
+            [false, true, true, true, true, true, true, true, true, true, true]
         );
         assert!(!V0_3_0.has_leases() && V0_4_0.has_leases());
         assert!(!V0_5_0.has_lease_horizon() && V0_6_0.has_lease_horizon());
@@ -165,5 +166,6 @@ mod unit {
         assert!(!V0_7_0.has_histograms() && V0_8_0.has_histograms());
         assert!(!V0_8_0.has_adaptive() && V0_9_0.has_adaptive());
         assert!(!V0_9_0.has_rates() && V0_10_0.has_rates());
+        assert!(!V0_10_0.has_shares() && V0_11_0.has_shares());
     }
 }
