@@ -28,7 +28,6 @@ from ._aio_line import (
     _shielded,
 )
 from ._common import (
-    _LEASE,
     _LEASE_LIVE,
     _OWN_LEASES,
     _RELEASE_LEASE,
@@ -41,8 +40,10 @@ from ._common import (
     _as_ttl,
     _check_cap,
     _check_rate,
+    _check_share,
     _is_a,
     _lease_failed,
+    _lease_query,
     _Unreachable,
     log,
 )
@@ -68,7 +69,9 @@ class _AsyncDsnStatements:
     async def row(self, query: str, params: tuple[object, ...]) -> Row | None:
         return await self._line.one(query, params, connect=True)
 
-    async def take(self, cap: str, n: int, ttl: timedelta, wait: timedelta) -> Row | None:
+    async def take(
+            self, cap: str, n: int, ttl: timedelta, wait: timedelta, share: str | None = None,
+    ) -> Row | None:
         taken: Row | None = None
 
         def got(row: Row | None) -> bool:
@@ -84,7 +87,8 @@ class _AsyncDsnStatements:
                 await self._release_unknown(conn, cap, why)
 
         await self._line.call(
-            lambda s: (_LEASE, (cap, n, ttl, timedelta(seconds=s))), wait.total_seconds(),
+            lambda s: _lease_query(cap, n, ttl, timedelta(seconds=s), share),
+            wait.total_seconds(),
             got=got, recover=recover)
         return taken
 
@@ -272,14 +276,16 @@ def _lease_statements(dsn: str) -> _AsyncDsnStatements:
 
 async def _take_lease(
         statements: _Statements, cap: str, n: int, ttl: Ttl, wait: Wait, rate: Rate | None,
+        share: str | None = None,
 ) -> AsyncLease | None:
     _check_cap(cap)
+    _check_share(share)
     delay, waiting = _as_ttl(ttl), _as_timedelta(wait)
     if rate is not None and not await statements.ensure_rate(cap, rate):
         return None
     sent = time.monotonic()
     try:
-        row = await statements.take(cap, n, delay, waiting)
+        row = await statements.take(cap, n, delay, waiting, share)
     except Exception as e:  # noqa: BLE001 - _lease_failed re-raises all but load
         _lease_failed(cap, e)
         return None
@@ -291,7 +297,7 @@ async def _take_lease(
 @asynccontextmanager
 async def stage_e_lease(
         dsn_or_async_connection: Any, cap: str, n: int, ttl: Ttl, wait: Wait = 0, *,
-        rate: Rate | None = None,
+        rate: Rate | None = None, share: str | None = None,
 ) -> AsyncIterator[AsyncLease | None]:
     """``async with stage_e_lease(dsn_or_async_connection, "exports", 4, ttl=60) as lease:``
     holds one of the 4 slots of cap ``exports`` by a token (``lease.slot``, ``lease.token``)
@@ -331,6 +337,10 @@ async def stage_e_lease(
       (read its docstring): with a DSN only, on the lease connection (each statement a
       transaction of its own). A connection of yours may be inside your transaction, where
       a policy must not be set: there ``rate=`` raises ``TypeError``.
+    - ``share="tenant:42"`` takes the lease in that fair share of the cap (the extension at
+      0.11.0, docs/shares.md): while shares compete, slots go to them by their weights, each
+      within its ceiling (``stage_e_share``); the lease gives its slot back to the share when
+      it ends.
     """
     _check_rate(cap, rate)
     if isinstance(dsn_or_async_connection, str):
@@ -344,7 +354,7 @@ async def stage_e_lease(
             "server enforces it on every acquisition of the cap)")
     else:
         statements = _AsyncConnectionStatements(dsn_or_async_connection)
-    lease = await _take_lease(statements, cap, n, ttl, wait, rate)
+    lease = await _take_lease(statements, cap, n, ttl, wait, rate, share)
     if lease is None:
         yield None
         return

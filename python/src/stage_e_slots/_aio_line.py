@@ -25,10 +25,10 @@ from psycopg.rows import tuple_row
 
 from ._common import (
     _ENSURED,
-    _LEASE,
     _RATE_OF,
     _SET_RATE,
     Rate,
+    _lease_query,
     _rate_not_set,
     _rate_to_set,
     _rate_was_set,
@@ -537,8 +537,10 @@ class _AsyncConnectionStatements:
                 raise _Unreachable(str(e)) from e
             raise
 
-    async def take(self, cap: str, n: int, ttl: timedelta, wait: timedelta) -> Row | None:
-        return await self.row(_LEASE, (cap, n, ttl, wait))
+    async def take(
+            self, cap: str, n: int, ttl: timedelta, wait: timedelta, share: str | None = None,
+    ) -> Row | None:
+        return await self.row(*_lease_query(cap, n, ttl, wait, share))
 
     def ended(self, token: int) -> None:
         pass

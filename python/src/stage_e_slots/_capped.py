@@ -43,14 +43,26 @@ import functools
 import inspect
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, Union, overload
 
-from ._common import Rate, Ttl, Wait, _as_timedelta, _as_ttl, _check_cap, _check_rate
+from ._common import (
+    Rate,
+    Ttl,
+    Wait,
+    _as_timedelta,
+    _as_ttl,
+    _check_cap,
+    _check_rate,
+    _check_share,
+)
 from ._leases import stage_e_lease
 from ._slots import stage_e_slot
 
 R = TypeVar("R")
 T = TypeVar("T")
+# A share: its name, a function of the call's arguments that returns it, or None (the cap's
+# unnamed share).
+ShareOf = Union[str, Callable[..., Union[str, None]], None]
 
 if TYPE_CHECKING:  # ParamSpec is Python 3.10+: at run time, only annotations name these
     from collections.abc import Coroutine
@@ -143,29 +155,32 @@ def resolve_dsn(dsn: str | None = None) -> str:
 @overload
 def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None,
            lease_ttl: Ttl | None = None, rate: Rate | None = None,
-           on_throttle: None = None) -> _Capping: ...
+           share: ShareOf = None, on_throttle: None = None) -> _Capping: ...
 
 
 @overload
 def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None,
            lease_ttl: Ttl | None = None, rate: Rate | None = None,
+           share: ShareOf = None,
            on_throttle: Callable[..., Coroutine[Any, Any, T]]) -> _CappingOr[T]: ...
 
 
 @overload
 def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None,
            lease_ttl: Ttl | None = None, rate: Rate | None = None,
-           on_throttle: Callable[..., T]) -> _CappingOr[T]: ...
+           share: ShareOf = None, on_throttle: Callable[..., T]) -> _CappingOr[T]: ...
 
 
 def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None,
            lease_ttl: Ttl | None = None, rate: Rate | None = None,
-           on_throttle: Callable[..., Any] | None = None) -> Any:
+           share: ShareOf = None, on_throttle: Callable[..., Any] | None = None) -> Any:
     """Decorates a function or a coroutine function so that each call runs holding one of the
     ``n`` slots of ``cap`` (see the module docstring). ``wait`` (seconds or a timedelta) waits
     that long for a slot; ``lease_ttl`` holds a lease of that ttl instead of a session slot;
     ``rate`` (a ``Rate``) makes that rate the cap's policy, enforced with the slot;
-    ``on_throttle`` is called with the call's arguments when throttled, and its result
+    ``share`` takes the slot in a fair share of the cap (docs/shares.md): a name, or a function
+    called with the call's arguments that returns the name (``share=lambda job: job.tenant``),
+    or None for the cap's unnamed share; ``on_throttle`` is called with the call's arguments when throttled, and its result
     returned (for a coroutine function it may be a coroutine function too), else ``Throttled``
     is raised. Bad arguments raise here, at decoration."""
     _check_cap(cap)
@@ -174,8 +189,15 @@ def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None
     waiting = _as_timedelta(wait if wait is not None else 0)
     ttl = None if lease_ttl is None else _as_ttl(lease_ttl)
     _check_rate(cap, rate)
+    if not callable(share):
+        _check_share(share)
     if on_throttle is not None and not callable(on_throttle):
         raise TypeError(f"on_throttle must be callable, not {type(on_throttle).__name__}")
+
+    def share_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        name = share(*args, **kwargs) if callable(share) else share
+        _check_share(name)
+        return name
 
     def throttled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if on_throttle is None:
@@ -197,13 +219,15 @@ def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None
             from .aio import stage_e_slot as aio_slot
 
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                target = resolve_dsn(dsn)
+                target, name = resolve_dsn(dsn), share_of(args, kwargs)
                 if ttl is None:
-                    async with aio_slot(target, cap, n=n, wait=waiting, rate=rate) as slot:
+                    async with aio_slot(target, cap, n=n, wait=waiting, rate=rate,
+                                        share=name) as slot:
                         if slot is not None:
                             return await func(*args, **kwargs)
                 else:
-                    async with aio_lease(target, cap, n, ttl, waiting, rate=rate) as lease:
+                    async with aio_lease(target, cap, n, ttl, waiting, rate=rate,
+                                         share=name) as lease:
                         if lease is not None:
                             return await func(*args, **kwargs)
                 result = throttled(args, kwargs)
@@ -212,13 +236,15 @@ def capped(cap: str, n: int, *, dsn: str | None = None, wait: Wait | None = None
             return functools.wraps(func)(run_async)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            target = resolve_dsn(dsn)
+            target, name = resolve_dsn(dsn), share_of(args, kwargs)
             if ttl is None:
-                with stage_e_slot(target, cap, n=n, wait=waiting, rate=rate) as slot:
+                with stage_e_slot(target, cap, n=n, wait=waiting, rate=rate,
+                                  share=name) as slot:
                     if slot is not None:
                         return func(*args, **kwargs)
             else:
-                with stage_e_lease(target, cap, n, ttl, waiting, rate=rate) as lease:
+                with stage_e_lease(target, cap, n, ttl, waiting, rate=rate,
+                                   share=name) as lease:
                     if lease is not None:
                         return func(*args, **kwargs)
             return throttled(args, kwargs)

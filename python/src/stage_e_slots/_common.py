@@ -23,6 +23,7 @@ Per = Union[float, int, timedelta]
 _HOLDERS = ("SELECT slot FROM stage_e_slot_holders WHERE pid = pg_backend_pid() AND cap = %s "
             "AND expires_at IS NULL")
 _LEASE = "SELECT slot, token FROM stage_e_lease(%s, %s, %s, %s)"
+_LEASE_SHARE = "SELECT slot, token FROM stage_e_lease(%s, %s, %s, %s, %s)"
 _RENEW = "SELECT stage_e_renew(%s, %s, %s, %s)"
 _RELEASE_LEASE = "SELECT stage_e_release_lease(%s, %s, %s)"
 _TRY_RATE = ("SELECT allowed, remaining, retry_after, reset_after "
@@ -41,15 +42,41 @@ _RATE_OF = "SELECT count, per, burst FROM stage_e_rate_limits WHERE cap = %s"
 _SET_RATE = "SELECT stage_e_rate_limit(%s, %s, %s, %s)"
 
 
-def _slot_query(cap: str, n: int, k: int, seconds: float) -> tuple[str, tuple[object, ...]]:
+def _slot_query(
+        cap: str, n: int, k: int, seconds: float, share: str | None = None,
+) -> tuple[str, tuple[object, ...]]:
     """The statement taking k slots of `cap` (in [0, n)), waiting up to `seconds` in the
-    server."""
+    server; in fair share `share` if one is given (the extension at 0.11.0)."""
     delay = timedelta(seconds=seconds)
+    if share is not None:
+        return "SELECT stage_e_try_slots(%s, %s, %s, %s, %s)", (cap, n, k, delay, share)
     if k == 1 and not delay:
         return "SELECT ARRAY[stage_e_try_slot(%s, %s)]", (cap, n)
     if k == 1:
         return "SELECT ARRAY[stage_e_try_slot(%s, %s, %s)]", (cap, n, delay)
     return "SELECT stage_e_try_slots(%s, %s, %s, %s)", (cap, n, k, delay)
+
+
+def _lease_query(
+        cap: str, n: int, ttl: timedelta, wait: timedelta, share: str | None = None,
+) -> tuple[str, tuple[object, ...]]:
+    """The statement taking a lease of `cap` (in [0, n)) for `ttl`, waiting up to `wait` in
+    the server; in fair share `share` if one is given (the extension at 0.11.0)."""
+    if share is not None:
+        return _LEASE_SHARE, (cap, n, ttl, wait, share)
+    return _LEASE, (cap, n, ttl, wait)
+
+
+def _check_share(share: str | None) -> None:
+    """A share is a name of 1 to 63 bytes (UTF-8), as a cap's; None is the cap's unnamed share
+    (no share argument sent)."""
+    if share is None:
+        return
+    if not isinstance(share, str):
+        raise TypeError(f"share must be a share name (str), not {type(share).__name__}: "
+                        f"{share!r}")
+    if not 1 <= len(share.encode()) <= 63:
+        raise ValueError(f"a share name is 1 to 63 bytes: {share!r}")
 
 
 def _as_timedelta(wait: Wait) -> timedelta:

@@ -15,7 +15,6 @@ from typing import Any
 import psycopg
 
 from ._common import (
-    _LEASE,
     _LEASE_LIVE,
     _OWN_LEASES,
     _RELEASE_LEASE,
@@ -28,8 +27,10 @@ from ._common import (
     _as_ttl,
     _check_cap,
     _check_rate,
+    _check_share,
     _is_a,
     _lease_failed,
+    _lease_query,
     _Unreachable,
     log,
 )
@@ -66,7 +67,9 @@ class _DsnStatements:
     def row(self, query: str, params: tuple[object, ...]) -> Row | None:
         return self._line.one(query, params, connect=True)
 
-    def take(self, cap: str, n: int, ttl: timedelta, wait: timedelta) -> Row | None:
+    def take(
+            self, cap: str, n: int, ttl: timedelta, wait: timedelta, share: str | None = None,
+    ) -> Row | None:
         taken: Row | None = None
 
         def got(row: Row | None) -> bool:
@@ -82,7 +85,8 @@ class _DsnStatements:
                 self._release_unknown(conn, cap, why)
 
         self._line.call(
-            lambda s: (_LEASE, (cap, n, ttl, timedelta(seconds=s))), wait.total_seconds(),
+            lambda s: _lease_query(cap, n, ttl, timedelta(seconds=s), share),
+            wait.total_seconds(),
             got=got, recover=recover)
         return taken
 
@@ -270,14 +274,16 @@ def _lease_statements(dsn: str) -> _DsnStatements:
 
 def _take_lease(
         statements: _Statements, cap: str, n: int, ttl: Ttl, wait: Wait, rate: Rate | None,
+        share: str | None = None,
 ) -> Lease | None:
     _check_cap(cap)
+    _check_share(share)
     delay, waiting = _as_ttl(ttl), _as_timedelta(wait)
     if rate is not None and not statements.ensure_rate(cap, rate):
         return None
     sent = time.monotonic()
     try:
-        row = statements.take(cap, n, delay, waiting)
+        row = statements.take(cap, n, delay, waiting, share)
     except Exception as e:  # noqa: BLE001 - _lease_failed re-raises all but load
         _lease_failed(cap, e)
         return None
@@ -289,7 +295,7 @@ def _take_lease(
 @contextmanager
 def stage_e_lease(
         dsn_or_connection: Any, cap: str, n: int, ttl: Ttl, wait: Wait = 0, *,
-        rate: Rate | None = None,
+        rate: Rate | None = None, share: str | None = None,
 ) -> Iterator[Lease | None]:
     """``with stage_e_lease(dsn_or_connection, "exports", 4, ttl=60) as lease:``
     holds one of the 4 slots of cap ``exports`` by a token (``lease.slot``, ``lease.token``)
@@ -329,6 +335,10 @@ def stage_e_lease(
       (read its docstring): with a DSN only, on the lease connection (each statement a
       transaction of its own). A connection of yours may be inside your transaction, where
       a policy must not be set: there ``rate=`` raises ``TypeError``.
+    - ``share="tenant:42"`` takes the lease in that fair share of the cap (the extension at
+      0.11.0, docs/shares.md): while shares compete, slots go to them by their weights, each
+      within its ceiling (``stage_e_share``); the lease gives its slot back to the share when
+      it ends.
     """
     _check_rate(cap, rate)
     if isinstance(dsn_or_connection, str):
@@ -342,7 +352,7 @@ def stage_e_lease(
             "server enforces it on every acquisition of the cap)")
     else:
         statements = _ConnectionStatements(dsn_or_connection)
-    lease = _take_lease(statements, cap, n, ttl, wait, rate)
+    lease = _take_lease(statements, cap, n, ttl, wait, rate, share)
     if lease is None:
         yield None
         return

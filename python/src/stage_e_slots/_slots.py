@@ -26,6 +26,7 @@ from ._common import (
     _check_cap,
     _check_key,
     _check_rate,
+    _check_share,
     _rate_failed,
     _slot_query,
     _Unreachable,
@@ -62,29 +63,35 @@ class SlotConnection:
 
     def try_slot(
             self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0, rate: Rate | None = None,
+            share: str | None = None,
     ) -> int | None:
         """A slot of `cap` (in [0, n)), waiting up to `wait` (seconds or a timedelta) for one;
         None when throttled or when no slot can be had. With `rate`, the cap's rate policy is
-        made that rate first (see ``stage_e_slot``)."""
+        made that rate first (see ``stage_e_slot``); with `share`, in that fair share of the
+        cap (see ``stage_e_slot``)."""
         if rate is not None and not self._rated(cap, rate):
             return None
-        got, _ = self._take(n, 1, cap, wait)
+        got, _ = self._take(n, 1, cap, wait, share)
         return None if got is None else got[0]
 
     def try_slots(
             self, n: int, k: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0,
-            rate: Rate | None = None,
+            rate: Rate | None = None, share: str | None = None,
     ) -> list[int] | None:
         """k distinct slots of `cap` (in [0, n)), all or none, waiting up to `wait` for them
-        (in arrival order with the cap's other waiters); None when they could not all be had.
-        With `rate`, the cap's rate policy is made that rate first (k slots charge k)."""
+        (in arrival order with the cap's other waiters, or in `share`'s turn); None when they
+        could not all be had. With `rate`, the cap's rate policy is made that rate first (k
+        slots charge k)."""
         if rate is not None and not self._rated(cap, rate):
             return None
-        got, _ = self._take(n, k, cap, wait)
+        got, _ = self._take(n, k, cap, wait, share)
         return got
 
-    def _take(self, n: int, k: int, cap: str, wait: Wait) -> tuple[list[int] | None, int]:
+    def _take(
+            self, n: int, k: int, cap: str, wait: Wait, share: str | None = None,
+    ) -> tuple[list[int] | None, int]:
         _check_cap(cap)
+        _check_share(share)
         seconds = _as_timedelta(wait).total_seconds()
         taken: list[int] | None = None
 
@@ -103,7 +110,7 @@ class SlotConnection:
         def build(wait: float) -> tuple[str, tuple[object, ...]] | None:
             if wait > 0 and self._waits_for_itself(cap, n, k):
                 return None  # the line waits for a release of this connection's instead
-            return _slot_query(cap, n, k, wait)
+            return _slot_query(cap, n, k, wait, share)
 
         try:
             generation = self._line.call(build, seconds, got=got, recover=recover)
@@ -228,15 +235,16 @@ class SlotConnection:
     @contextmanager
     def slot(
             self, n: int, *, cap: str = DEFAULT_CAP, wait: Wait = 0, k: int = 1,
-            rate: Rate | None = None,
+            rate: Rate | None = None, share: str | None = None,
     ) -> Iterator[Any]:
         """Yields a held slot of `cap` (with k > 1, a list of k slots), released on exit
         whatever happens, or None when throttled; waits up to `wait` for it. With `rate`, the
-        cap's rate policy is made that rate first (see ``stage_e_slot``)."""
+        cap's rate policy is made that rate first; with `share`, in that fair share of the cap
+        (see ``stage_e_slot``)."""
         if rate is not None and not self._rated(cap, rate):
             yield None
             return
-        slots, generation = self._take(n, k, cap, wait)
+        slots, generation = self._take(n, k, cap, wait, share)
         try:
             yield None if slots is None else (slots[0] if k == 1 else slots)
         finally:
@@ -281,7 +289,7 @@ def try_rate(
 @contextmanager
 def stage_e_slot(
         dsn: str, cap: str = DEFAULT_CAP, *, n: int, wait: Wait = 0, k: int = 1,
-        rate: Rate | None = None,
+        rate: Rate | None = None, share: str | None = None,
 ) -> Iterator[Any]:
     """``with stage_e_slot(dsn, "exports", n=4) as slot:`` on the dedicated connection of
     ``connection_for(dsn)``; ``stage_e_slot(dsn, n=8)`` is the cap ``default``. ``wait=``
@@ -300,6 +308,12 @@ def stage_e_slot(
     ``RatePolicyError`` (so does a database whose extension is older than 0.10.0), before
     anything is taken. The database unreachable is throttled (None), as always. A policy
     changed later (by an operator, another process) stands: this process does not look
-    again until it restarts. ``rate=None`` sends nothing."""
-    with connection_for(dsn).slot(n, cap=cap, wait=wait, k=k, rate=rate) as slot:
+    again until it restarts. ``rate=None`` sends nothing.
+
+    ``share="tenant:42"`` takes the slot in that fair share of the cap (the extension at
+    0.11.0, docs/shares.md): while shares compete for the cap, freed slots go to them by their
+    weights, each within its ceiling (``stage_e_share``), so one tenant's backlog does not
+    hold the others back; ``share=None`` is the cap's unnamed share."""
+    with connection_for(dsn).slot(n, cap=cap, wait=wait, k=k, rate=rate,
+                                        share=share) as slot:
         yield slot
