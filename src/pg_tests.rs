@@ -211,15 +211,17 @@ mod tests {
             // stage_e_held_back_internal, 0.8.0 stage_e_histograms and
             // stage_e_histogram_quantiles_internal, 0.9.0 stage_e_adapt, stage_e_adapt_off and
             // stage_e_cap_limits_internal, 0.10.0 stage_e_try_rate, stage_e_rate_limit,
-            // stage_e_rate_limit_off and stage_e_rate_limits_internal.
+            // stage_e_rate_limit_off and stage_e_rate_limits_internal, 0.11.0 the share forms of
+            // stage_e_try_slot, stage_e_try_slots and stage_e_lease, stage_e_share and
+            // stage_e_shares_internal.
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(34)
+            Some(39)
         );
-        // stage_e_lease returns its own row type, (slot integer, token bigint).
+        // stage_e_lease (both forms) returns its own row type, (slot integer, token bigint).
         assert_eq!(
             one::<String>(
-                "SELECT pg_catalog.format_type(prorettype, NULL) FROM pg_proc \
-                 WHERE proname = 'stage_e_lease'"
+                "SELECT string_agg(DISTINCT pg_catalog.format_type(prorettype, NULL), ',') \
+                   FROM pg_proc WHERE proname = 'stage_e_lease'"
             ),
             Some("stage_e_lease_slot".into())
         );
