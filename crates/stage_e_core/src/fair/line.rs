@@ -1,11 +1,13 @@
-//! The fair queue run with the wait line's protocol, the way the server is to run a cap with
-//! shares: under the queue lock a waiter joins both (`queue::WaitLine::join_in_order` seats the
-//! front in [`Fair::order`]); a seated waiter claims its slots without the lock
-//! (`front::plans`), then records its grant and reseats ([`Fair::granted`], `leave_in_order`);
-//! a waiter that gives up leaves both; a call that does not wait takes, under the lock, only
-//! if its share is to be served first ([`Fair::may_take_now`]); a release clears its bit,
-//! gives the slot back to its share and reseats (a share at its ceiling competes again), and
-//! then the line wakes whom the free slots serve. The steps are written once here, over what
+//! The fair queue run with the wait line's protocol, the way the server runs a cap with shares
+//! (`shmem::shares`, `slots::shares`): under the queue lock a waiter joins both
+//! (`queue::WaitLine::join_in_order` seats the front in [`Fair::order`]); a seated waiter that
+//! sees a slot it may take claims it under the lock and records its grant and reseats in the
+//! same round ([`Fair::granted`], `leave_in_order`); a waiter that gives up leaves both; a call
+//! that does not wait reserves a slot in its share under the lock only if its share is to be
+//! served first ([`Fair::may_take_now`], [`Fair::took_now`]), claims it without the lock and
+//! gives the reservation back if it lost the claim; a release clears its bit, gives the slot
+//! back to its share and reseats (a share at its ceiling competes again), and then the line
+//! wakes whom the free slots serve. The steps are written once here, over what
 //! the server supplies ([`Server`]), for the thread tests (`line_threads`) and the loom models
 //! (`line_model`).
 
@@ -90,8 +92,12 @@ impl Line {
         }
     }
 
-    /// One round of the queue lock: takes a slot now if the call's share is served first
-    /// (`Ok(Some)`), else joins the queue if `wait` (`Err(ticket)`), else `Ok(None)`.
+    /// A call that does not wait first: under the lock, if its share is served first, a slot
+    /// is reserved in the share (charged, counted held); then it is claimed without the lock,
+    /// and given back under the lock if a seated waiter claimed the last free one first
+    /// (`Ok(Some)` when taken). Not served first, or not taken, a call that may `wait` joins
+    /// the queue (`Err(ticket)`), else `Ok(None)`. The server's `Cap::reserve_now` and
+    /// `slots::shares::take_now`.
     pub(super) fn take_or_join(
         &self,
         me: usize,
@@ -99,42 +105,51 @@ impl Line {
         wait: bool,
         s: &dyn Server,
     ) -> Result<Option<u32>, u64> {
-        // One round of the lock: takes now if its share is served first, else joins.
-        let (mut took, mut ticket, mut woken) = (None, None, Seats::default());
+        let (mut reserved, mut woken) = (false, Seats::default());
         s.lock(&mut |l| {
             let free = occupancy::free_below(&self.bits, self.n);
-            // The first free slot: a seated waiter may claim the same one without the lock,
-            // and then this call waits (or gives up) like any other.
             if l.fair().may_take_now(sh, 1, free) {
-                took = occupancy::claim_first_free(&self.bits, 0, self.n).map(|c| c.keep());
-            }
-            if took.is_some() {
                 l.fair().took_now(sh, 1).unwrap();
+                reserved = true;
                 if l.clock.waiting > 0 {
                     // A charge moves V, which may reorder the heads.
                     let (seats, widest) = l.seats();
                     woken = self.line.reorder(&seats, widest, &self.bits);
                 }
-            } else if wait {
-                ticket = Some(self.line.join_in_order(&self.waiters, |ticket| {
-                    let seated = Seated {
-                        process: me,
-                        ticket,
-                        n: self.n,
-                        k: 1,
-                    };
-                    l.queue.push((seated, sh.digest));
-                    l.fair().join(sh, ticket, 1).unwrap();
-                    l.seats()
-                }));
             }
         });
         s.wake(&woken);
-        ticket.map_or(Ok(took), Err)
+        if reserved {
+            if let Some(slot) = occupancy::claim_first_free(&self.bits, 0, self.n) {
+                return Ok(Some(slot.keep()));
+            }
+            // A seated waiter took the last free slot between the lock and the claim.
+            self.give_back(sh, s);
+        }
+        if !wait {
+            return Ok(None);
+        }
+        let mut ticket = 0;
+        s.lock(&mut |l| {
+            ticket = self.line.join_in_order(&self.waiters, |ticket| {
+                let seated = Seated {
+                    process: me,
+                    ticket,
+                    n: self.n,
+                    k: 1,
+                };
+                l.queue.push((seated, sh.digest));
+                l.fair().join(sh, ticket, 1).unwrap();
+                l.seats()
+            });
+        });
+        Err(ticket)
     }
 
     /// Queued with `ticket`: waits until the front lets it take a slot, or, woken, it
-    /// `gives_up` (None).
+    /// `gives_up` (None). Seated and seeing a free slot it may take, it takes it under the lock
+    /// and records its grant in the same round (the server's `Cap::take_in_line`), so that no
+    /// release of the slot can give it back to the share before the grant counted it.
     pub(super) fn wait(
         &self,
         ticket: u64,
@@ -142,39 +157,72 @@ impl Line {
         gives_up: &dyn Fn() -> bool,
         s: &dyn Server,
     ) -> Option<u32> {
+        let me = Waiter {
+            share: sh.digest,
+            ticket,
+            k: 1,
+        };
         loop {
-            let served = self
-                .line
-                .may_take(ticket, &self.bits)
-                .and_then(|from| occupancy::claim_first_free(&self.bits, from, self.n))
-                .map(|c| c.keep());
-            if served.is_none() {
-                s.park();
-            }
-            if served.is_some() || gives_up() {
-                let mut woken = Seats::default();
+            if self.line.may_take(ticket, &self.bits).is_some() {
+                let (mut served, mut woken) = (None, Seats::default());
                 s.lock(&mut |l| {
-                    l.queue.retain(|(q, _)| q.ticket != ticket);
-                    let w = Waiter {
-                        share: sh.digest,
-                        ticket,
-                        k: 1,
-                    };
-                    let rest: Vec<Waiter> = l.rest().collect();
+                    served = self
+                        .line
+                        .may_take(ticket, &self.bits)
+                        .and_then(|from| occupancy::claim_first_free(&self.bits, from, self.n))
+                        .map(|c| c.keep());
                     if served.is_some() {
-                        l.fair().granted(w, rest);
-                    } else {
-                        l.fair().leave(w, rest);
+                        l.queue.retain(|(q, _)| q.ticket != ticket);
+                        let rest: Vec<Waiter> = l.rest().collect();
+                        l.fair().granted(me, rest);
+                        let (seats, widest) = l.seats();
+                        woken = self
+                            .line
+                            .leave_in_order(&self.waiters, &seats, widest, &self.bits);
                     }
+                });
+                s.wake(&woken);
+                if served.is_some() {
+                    return served;
+                }
+            }
+            s.park();
+            if gives_up() {
+                let mut woken = Seats::default();
+                let mut left = false;
+                s.lock(&mut |l| {
+                    // Served meanwhile? Not without this waiter's own round: it left unserved.
+                    let before = l.queue.len();
+                    l.queue.retain(|(q, _)| q.ticket != ticket);
+                    if l.queue.len() == before {
+                        return;
+                    }
+                    left = true;
+                    let rest: Vec<Waiter> = l.rest().collect();
+                    l.fair().leave(me, rest);
                     let (seats, widest) = l.seats();
                     woken = self
                         .line
                         .leave_in_order(&self.waiters, &seats, widest, &self.bits);
                 });
                 s.wake(&woken);
-                return served;
+                debug_assert!(left);
+                return None;
             }
         }
+    }
+
+    /// A reservation that was not taken goes back to its share, which may reseat the front.
+    fn give_back(&self, sh: Share, s: &dyn Server) {
+        let mut woken = Seats::default();
+        s.lock(&mut |l| {
+            l.fair().released(sh.digest, 1);
+            if l.clock.waiting > 0 {
+                let (seats, widest) = l.seats();
+                woken = self.line.reorder(&seats, widest, &self.bits);
+            }
+        });
+        s.wake(&woken);
     }
 
     /// Share `sh` gives `slot` back.
