@@ -331,3 +331,20 @@ def test_a_restart_keeps_weights_and_ceilings():
                 ("big", 4, 2), ("small", 1, 1)]
     finally:
         c.destroy()
+
+
+def test_shares_divide_an_adaptive_limit_and_are_charged_by_a_rate(connect):
+    """Composes: a cap pinned at 2 (stage_e_adapt(cap, 2, 2)) asked n = 8 gives its shares 2
+    slots in all; a rate-limited cap (2 a minute) refuses a third acquisition whichever share
+    asks, with slots free."""
+    admin, observer = connect("admin"), connect("observer")
+    admin.execute("SELECT stage_e_adapt('pinned', 2, 2)")
+    take = "SELECT stage_e_try_slot(%s, 8, '0', %s)"
+    wait_for(lambda: one(observer, "SELECT count(*) FROM stage_e_cap_limits") == 1,
+             timeout=10, what="the adaptive policy")
+    assert [one(admin, take, ("pinned", s)) for s in ("A", "B", "C")] == [0, 1, None]
+    assert len(cap_locks(observer, "pinned")) == 2
+    admin.execute("SELECT stage_e_rate_limit('rated', 2, '1 min', 2)")
+    assert [one(admin, take, ("rated", s)) for s in ("A", "B", "C")] == [0, 1, None]
+    assert one(observer, "SELECT rate_limited FROM stage_e_stats() WHERE cap = 'rated'") == 1
+    assert shares(observer, "rated") == [("A", 1, 0), ("B", 1, 0)]

@@ -316,11 +316,9 @@ fn in_share(
     if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, &call)? {
         return Ok(Some(record(&cap, k, got)));
     }
-    let expired = expire_due(&cap);
-    if held::reconcile_cap(&cap) + expired > 0 {
-        if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, &call)? {
-            return Ok(Some(record(&cap, k, got)));
-        }
+    let again = || shares::take_now(&cap, n, k, now, kind, gate, &call);
+    if let Some(got) = again_once_freed(&cap, k, again)? {
+        return Ok(Some(got));
     }
     in_line_or_throttled(cap, n, k, wait, kind, gate, Some(&call))
 }
@@ -479,17 +477,30 @@ fn not_taken(
                 return Ok(Some(record(&cap, k, got)));
             }
         }
-        // Before saying "throttled": this session may have dropped one of its own slots' locks
-        // earlier in this very transaction (transaction end would clear it), and leases may
-        // have expired. Free those and look once more; without either, this costs two loads.
-        let expired = expire_due(&cap);
-        if held::reconcile_cap(&cap) + expired > 0 {
-            if let Some(got) = take(&cap, n, k, from, now, kind, gate, 0)? {
-                return Ok(Some(record(&cap, k, got)));
-            }
+        if let Some(got) = again_once_freed(&cap, k, || take(&cap, n, k, from, now, kind, gate, 0))?
+        {
+            return Ok(Some(got));
         }
     }
     in_line_or_throttled(cap, n, k, wait, kind, gate, None)
+}
+
+/// Before saying "throttled": this session may have dropped one of its own slots' locks
+/// earlier in this very transaction (transaction end would clear it), and leases may have
+/// expired. Frees those and, if there were any, takes with `take` once more (recorded); without
+/// either, this costs two loads.
+fn again_once_freed(
+    cap: &Cap,
+    k: u32,
+    take: impl FnOnce() -> Result<Option<Taken>, SlotError>,
+) -> Result<Option<Taken>, SlotError> {
+    let expired = expire_due(cap);
+    if held::reconcile_cap(cap) + expired > 0 {
+        if let Some(got) = take()? {
+            return Ok(Some(record(cap, k, got)));
+        }
+    }
+    Ok(None)
 }
 
 /// Nothing taken now: in line (in `share`, if any) until `wait` passes, or throttled at once

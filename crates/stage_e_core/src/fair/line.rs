@@ -172,13 +172,7 @@ impl Line {
                         .and_then(|from| occupancy::claim_first_free(&self.bits, from, self.n))
                         .map(|c| c.keep());
                     if served.is_some() {
-                        l.queue.retain(|(q, _)| q.ticket != ticket);
-                        let rest: Vec<Waiter> = l.rest().collect();
-                        l.fair().granted(me, rest);
-                        let (seats, widest) = l.seats();
-                        woken = self
-                            .line
-                            .leave_in_order(&self.waiters, &seats, widest, &self.bits);
+                        woken = self.leave(l, me, true);
                     }
                 });
                 s.wake(&woken);
@@ -191,25 +185,32 @@ impl Line {
                 let mut woken = Seats::default();
                 let mut left = false;
                 s.lock(&mut |l| {
-                    // Served meanwhile? Not without this waiter's own round: it left unserved.
-                    let before = l.queue.len();
-                    l.queue.retain(|(q, _)| q.ticket != ticket);
-                    if l.queue.len() == before {
-                        return;
+                    // Still queued: served only in this waiter's own round, so it leaves unserved.
+                    left = l.queue.iter().any(|(q, _)| q.ticket == ticket);
+                    if left {
+                        woken = self.leave(l, me, false);
                     }
-                    left = true;
-                    let rest: Vec<Waiter> = l.rest().collect();
-                    l.fair().leave(me, rest);
-                    let (seats, widest) = l.seats();
-                    woken = self
-                        .line
-                        .leave_in_order(&self.waiters, &seats, widest, &self.bits);
                 });
                 s.wake(&woken);
                 debug_assert!(left);
                 return None;
             }
         }
+    }
+
+    /// Under the lock: waiter `me` leaves both queues, `granted` or not; the front is seated
+    /// again, and the seats that may take now are returned, to wake.
+    fn leave(&self, l: &mut Locked, me: Waiter, granted: bool) -> Seats {
+        l.queue.retain(|(q, _)| q.ticket != me.ticket);
+        let rest: Vec<Waiter> = l.rest().collect();
+        if granted {
+            l.fair().granted(me, rest);
+        } else {
+            l.fair().leave(me, rest);
+        }
+        let (seats, widest) = l.seats();
+        self.line
+            .leave_in_order(&self.waiters, &seats, widest, &self.bits)
     }
 
     /// A reservation that was not taken goes back to its share, which may reseat the front.
