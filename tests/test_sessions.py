@@ -279,10 +279,10 @@ def test_holders_view_joins_the_session(connect):
     assert row == (slot, c.info.backend_pid, True, True, True, "billing-worker-7", None, "idle")
     cols = [d.name for d in observer.execute("SELECT * FROM stage_e_slot_holders").description]
     assert cols == ["cap", "slot", "pid", "acquired_at", "held_for", "application_name", "client_addr",
-                    "state", "token", "expires_at"]
-    # A session slot has no lease token or expiry.
-    assert observer.execute("SELECT token, expires_at FROM stage_e_slot_holders").fetchall() == [
-        (None, None)]
+                    "state", "token", "expires_at", "share"]
+    # A session slot has no lease token or expiry, and this one was taken in no share.
+    assert observer.execute("SELECT token, expires_at, share FROM stage_e_slot_holders"
+                            ).fetchall() == [(None, None, None)]
 
 
 def test_a_full_cap_of_1024_throttles_and_counts(connect):
