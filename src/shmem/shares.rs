@@ -86,13 +86,20 @@ impl Cap {
     /// Slots of this cap taken in the share at `at` (from their holder records; 0: none) are
     /// given back: `k` of them. The front is seated again (a share back under its ceiling
     /// competes again) and the seats that may take now are woken.
+    #[inline]
     pub fn give_back_share(&self, at: u32, k: u32) {
-        if at == 0 {
-            return;
+        // Every release of a cap without shares passes here: one compare, then out of line.
+        if at != 0 {
+            self.give_back_share_at(ShareAt(at), k);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn give_back_share_at(&self, at: ShareAt, k: u32) {
         let line = Line::of(self);
         self.fair(|f| {
-            f.released_at(ShareAt(at), k);
+            f.released_at(at, k);
             // A share at its ceiling competes again: the front in the new order of service.
             if let Some(line) = &line {
                 line.reseat(f);

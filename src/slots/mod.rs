@@ -489,6 +489,7 @@ fn not_taken(
 /// earlier in this very transaction (transaction end would clear it), and leases may have
 /// expired. Frees those and, if there were any, takes with `take` once more (recorded); without
 /// either, this costs two loads.
+#[inline(always)]
 fn again_once_freed(
     cap: &Cap,
     k: u32,
@@ -505,6 +506,7 @@ fn again_once_freed(
 
 /// Nothing taken now: in line (in `share`, if any) until `wait` passes, or throttled at once
 /// (counted) when the call does not wait or would wait for itself.
+#[inline(always)]
 fn in_line_or_throttled(
     cap: Cap,
     n: u32,
@@ -662,8 +664,11 @@ fn search(
                 }
                 let token = cap.next_token();
                 // Ours (the bit is claimed) and not yet published: a release of the slot
-                // reads its share only once its holder is set.
-                records[slot as usize].set_share(share);
+                // reads its share only once its holder is set. A free slot's record names no
+                // share (`clear`), so a call in none writes nothing.
+                if share != 0 {
+                    records[slot as usize].set_share(share);
+                }
                 match kind {
                     Kind::Session => {
                         records[slot as usize].set(session::pid(), at);
@@ -680,7 +685,9 @@ fn search(
                     Kind::Lease { ttl_us } => {
                         let granted = grant_lease(cap, key, slot, token, ttl_us, gate);
                         if !matches!(granted, Ok(true)) {
-                            records[slot as usize].set_share(0);
+                            if share != 0 {
+                                records[slot as usize].set_share(0);
+                            }
                             granted?;
                             return Ok(None); // the rate refused; dropping `claim` clears the bit
                         }
