@@ -15,9 +15,10 @@
 //!    (`held::drop_bookkeeping`, `shmem::leases`). Not taken (a raw lock, a waiter that
 //!    claimed first, the rate): the reservation is given back under the lock.
 //!
-//! The share of a slot is written after its holder record and read by its release before the
-//! record is cleared; only the holder releases a session slot, and a lease's slot is ended
-//! under its lease record's lock, so no release misses it.
+//! The share of a slot is written into its holder record before the holder is published (the
+//! slot is then claimed by the taker alone) and read by its release before the record is
+//! cleared; only the holder releases a session slot, and a lease's slot is ended under its
+//! lease record's lock, so no release misses it.
 //!
 //! A call that waits (`waiting`) joins the cap's queue in its share (`Cap::enqueue_in_share`):
 //! the front seats are in the fair queue's order of service, and a seated waiter, woken, takes

@@ -831,7 +831,8 @@ impl Shares {
     }
 }
 
-// Layout, for shared memory: a share costs 48 bytes (issue 38: at most 64), a cap's clock 16.
+// Layout, for shared memory: a share's state costs 48 bytes (the server keeps an 80-byte note of
+// its name and counts beside it, for the views: 128 in all), a cap's clock 16.
 const _: () = assert!(size_of::<ShareRecord>() == 48 && size_of::<ShareRecord>() <= 64);
 const _: () = assert!(size_of::<Clock>() == 16 && size_of::<PoolHead>() == 8);
 
