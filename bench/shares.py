@@ -1,0 +1,222 @@
+"""Fair shares (issue 38), on a cluster of their own: `bench/shares.py [PG_CONFIG]` runs these
+(about three minutes) into bench/results/shares.json, shares.md and shares.png. Not yet a part
+of `make bench`; the many-tenants run (200 shares and one of 1,000 waiters) and the hand-off
+speed with 10 shares are not here yet.
+
+- **Flood**: n = 4, each grant held 50 ms (plotted with the two runs below). Share A queues 64 waiters behind 4 blockers, then
+  share B's one waiter arrives. B is served within the next 2 grants (in arrival order it
+  would be the 65th), and its wait is at most 1.5x the hold time.
+- **Weights 1:3**: n = 4; share A (weight 1) and share B (weight 3) each kept backlogged by 8
+  sessions that take (waiting), hold 20 ms and release, for 60 s: B's part of the grants is
+  75% within 3 points.
+- **Ceiling**: the same with `max_slots => 1` on the heavy share B: B never holds more than 1,
+  A takes the other 3 (work-conserving). An observer samples every 10 ms whether a slot is
+  free while a waiter that may use it waits: a sample can fall inside a hand-off (a release,
+  then the waiter it wakes taking), so the figure is the share of such samples and the
+  longest run of them; a slot left idle (a missed wake-up) would show as a run of 10 or more
+  (the waiter's 100 ms recheck).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from pgcluster import PG_CONFIG, Cluster, wait_for
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DB = "shares"
+PORT = 5643
+RUN_S = 60
+WARMUP_S = 2
+
+
+def one(conn, query, params=None):
+    row = conn.execute(query, params).fetchone()
+    return row[0] if row else None
+
+
+def flood(c: Cluster) -> dict:
+    hold = 0.05
+    admin = c.connect(DB, "admin")
+    blockers = [c.connect(DB, f"blocker-{i}") for i in range(4)]
+    for b in blockers:
+        assert one(b, "SELECT stage_e_try_slot('flood', 4)") is not None
+    grants, lock = [], threading.Lock()
+
+    def waiter(share: str, i: int, ready: threading.Event) -> None:
+        with c.connect(DB, f"{share}-{i}") as conn:
+            ready.set()
+            asked = time.monotonic()
+            slot = one(conn, "SELECT stage_e_try_slot('flood', 4, '120 s', %s)", (share,))
+            got = time.monotonic()
+            with lock:
+                grants.append((share, asked, got))
+            time.sleep(hold)
+            one(conn, "SELECT stage_e_release('flood', %s)", (slot,))
+
+    def queued(share: str) -> int:
+        return one(admin, "SELECT count(*) FROM stage_e_slot_waiters WHERE share = %s",
+                   (share,))
+
+    threads = []
+    for share, count in (("A", 64), ("B", 1)):
+        for i in range(count):
+            ready = threading.Event()
+            t = threading.Thread(target=waiter, args=(share, i, ready))
+            t.start()
+            threads.append(t)
+            ready.wait(10)
+        wait_for(lambda share=share, count=count: queued(share) == count, timeout=30,
+                 what=f"{share} queued")
+    for b in blockers:
+        one(b, "SELECT stage_e_release_all()")
+        b.close()
+    for t in threads:
+        t.join(120)
+    admin.close()
+    grants.sort(key=lambda g: g[2])
+    order = [s for s, _, _ in grants]
+    b_wait = next(got - asked for s, asked, got in grants if s == "B")
+    first = grants[0][2]
+    return {"grants": len(order), "b_position": order.index("B") + 1,
+            "b_wait_ms": round(b_wait * 1000, 1), "hold_ms": hold * 1000,
+            "b_wait_vs_hold": round(b_wait / hold, 2), "order": "".join(order[:12]),
+            "series": [(round(got - first, 4), s) for s, _, got in grants]}
+
+
+def backlogged(c: Cluster, cap: str, ceiling: int | None) -> dict:
+    """Shares A (weight 1) and B (weight 3, `ceiling`) on `cap` (n = 4), 8 sessions each in a
+    take-hold-release loop for RUN_S seconds; an observer samples the holders, the waiters and
+    pg_locks every 10 ms."""
+    admin = c.connect(DB, "admin")
+    admin.execute("SELECT stage_e_share(%s, 'A', 1)", (cap,))
+    admin.execute("SELECT stage_e_share(%s, 'B', 3, %s)", (cap, ceiling))
+    stop, grants, lock = threading.Event(), [], threading.Lock()
+    started = time.monotonic()
+
+    def work(share: str, i: int) -> None:
+        with c.connect(DB, f"{share}-{i}") as conn:
+            while not stop.is_set():
+                slot = one(conn, "SELECT stage_e_try_slot(%s, 4, '10 s', %s)", (cap, share))
+                if slot is None:
+                    continue
+                with lock:
+                    grants.append((time.monotonic() - started, share))
+                time.sleep(0.02)
+                one(conn, "SELECT stage_e_release(%s, %s)", (cap, slot))
+
+    threads = [threading.Thread(target=work, args=(s, i)) for s in "AB" for i in range(8)]
+    for t in threads:
+        t.start()
+    samples, in_handoff, run, longest, most_b = 0, 0, 0, 0, 0
+    deadline = started + RUN_S
+    while time.monotonic() < deadline:
+        held = dict(admin.execute("SELECT share, count(*) FROM stage_e_slot_holders "
+                                  "WHERE cap = %s GROUP BY share", (cap,)).fetchall())
+        waiting = dict(admin.execute("SELECT share, count(*) FROM stage_e_slot_waiters "
+                                     "WHERE cap = %s GROUP BY share", (cap,)).fetchall())
+        locks = one(admin, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+                           "objsubid = 2 AND granted AND objid < 4 AND classid = "
+                           "stage_e_cap_key(%s)::oid", (cap,))
+        if time.monotonic() - started >= WARMUP_S:
+            samples += 1
+            most_b = max(most_b, held.get("B", 0))
+            b_usable = waiting.get("B", 0) > 0 and (ceiling is None or held.get("B", 0) < ceiling)
+            idle = locks < 4 and (waiting.get("A", 0) > 0 or b_usable)
+            in_handoff += idle
+            run = run + 1 if idle else 0
+            longest = max(longest, run)
+        time.sleep(0.01)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    admin.close()
+    counted = [s for t, s in grants if t >= WARMUP_S]
+    return {"grants": len(counted), "b_share": round(counted.count("B") / len(counted), 4),
+            "samples": samples, "idle_samples": in_handoff, "longest_idle_run": longest,
+            "most_b_held": most_b, "series": grants}
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
+    for ax, (key, title) in zip(axes, [("flood", "Flood: A's 64 waiters, then B's one, n = 4"),
+                                      ("weights", "Weights 1:3, n = 4, both backlogged"),
+                                      ("ceiling", "Weights 1:3, B at most 1 slot")]):
+        for share in "AB":
+            times = [t for t, s in r[key]["series"] if s == share]
+            ax.plot(times, range(1, len(times) + 1), drawstyle="steps-post",
+                    label=f"share {share}")
+        ax.set_title(title)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("grants so far")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(r: dict) -> str:
+    f, w, c = r["flood"], r["weights"], r["ceiling"]
+    flood_order = f"grant {f['b_position']} of {f['grants']} (order {f['order']}...)"
+    flood_wait = f"{f['b_wait_ms']} ms vs {f['hold_ms']:.0f} ms: {f['b_wait_vs_hold']}x"
+    idle = (f"{c['idle_samples']} of {c['samples']} samples in a hand-off, longest run "
+            f"{c['longest_idle_run']}")
+    rows = [
+        ("Flood: B served within the next 2 grants", flood_order, f["b_position"] <= 2),
+        ("Flood: B's wait vs the hold time (<= 1.5x)", flood_wait, f["b_wait_vs_hold"] <= 1.5),
+        ("Weights 1:3: B's part of the grants (75% +- 3 points)",
+         f"{w['b_share']:.1%} of {w['grants']}", abs(w["b_share"] - 0.75) <= 0.03),
+        ("Ceiling 1 on B: B never holds more than 1", f"at most {c['most_b_held']}",
+         c["most_b_held"] <= 1),
+        ("Ceiling 1 on B: no slot left idle while a usable waiter waits (no run of 10 samples)",
+         idle, c["longest_idle_run"] < 10),
+    ]
+    lines = [f"stage_e_slots {r['version']} on {r['server']}, commit {r['commit']}: fair shares "
+             "(`bench/shares.py`).", "", "| check | measured | verdict |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {got} | {'PASS' if ok else 'FAIL'} |" for name, got, ok in rows]
+    lines += ["", "![grants per share over time](../bench/results/shares.png)"]
+    r["verdicts"] = {name: ok for name, _, ok in rows}
+    return "\n".join(lines)
+
+
+def main() -> int:
+    pg_config = sys.argv[1] if sys.argv[1:] else PG_CONFIG
+    c = Cluster("shares_bench", {"max_connections": 120}, port=PORT,
+                pg_config=pg_config).init().start()
+    try:
+        c.create_database(DB)
+        with c.connect(DB) as s:
+            version = one(s, "SELECT extversion FROM pg_extension "
+                             "WHERE extname = 'stage_e_slots'")
+            server = one(s, "SELECT version()").split(" on ")[0]
+        r = {"version": version, "server": server,
+             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                      capture_output=True, text=True, check=False).stdout.strip(),
+             "flood": flood(c), "weights": backlogged(c, "w13", None),
+             "ceiling": backlogged(c, "w13c", 1)}
+    finally:
+        c.destroy()
+    RESULTS.mkdir(exist_ok=True)
+    plot(r, RESULTS / "shares.png")
+    text = report(r)
+    for key in ("weights", "ceiling"):
+        r[key]["series"] = [(round(t, 3), s) for t, s in r[key]["series"]]
+    (RESULTS / "shares.json").write_text(json.dumps(r, indent=2) + "\n")
+    (RESULTS / "shares.md").write_text(text + "\n")
+    print("\n" + text)
+    return 0 if all(r["verdicts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
