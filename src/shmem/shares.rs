@@ -256,6 +256,10 @@ impl Line {
     /// join its unnamed share, in ticket order, keeping their tickets: the front is seated in
     /// the fair queue's order, which has no place for a waiter in no share.
     fn adopt(&self, f: &mut Fair) -> Result<(), Refused> {
+        // Every waiter counted is in the fair queue (the usual case): nothing to walk.
+        if self.e.waiters.count() == f.waiting() {
+            return Ok(());
+        }
         let mut plain: Vec<&WaiterRecord> = queue_of(self.seg, self.entry)
             .filter(|w| w.share.load(Ordering::Relaxed) == 0)
             .collect();
