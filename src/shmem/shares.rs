@@ -267,14 +267,20 @@ impl Line {
             return Ok(());
         }
         plain.sort_by_key(|w| w.ticket.load(Ordering::Relaxed));
-        f.admit(UNNAMED_SHARE, 1)?;
+        // The unnamed share keeps the policy its calls gave it ('*'); a new one starts with
+        // weight 1 and no ceiling until its next call.
+        let unnamed = f.share_of(UNNAMED).unwrap_or(UNNAMED_SHARE);
+        f.admit(unnamed, 1)?;
         if let Some(n) = f.at_of(UNNAMED).and_then(|at| note(self.seg, at)) {
             n.set("");
         }
         for w in plain {
             let x = w.waiter();
-            f.join(UNNAMED_SHARE, x.ticket, x.k)?;
-            w.share.store(UNNAMED, Ordering::Relaxed);
+            // One asking for more than the unnamed share's ceiling could never be served in
+            // it: it stays in no share, served by its seat when the front reaches it.
+            if f.join(unnamed, x.ticket, x.k).is_ok() {
+                w.share.store(UNNAMED, Ordering::Relaxed);
+            }
         }
         Ok(())
     }

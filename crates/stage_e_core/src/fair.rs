@@ -449,6 +449,18 @@ impl<'a> Fair<'a> {
         self.find(digest).map(ShareAt::of)
     }
 
+    /// Share `digest` with the policy its record has (as of its last call), if it has one.
+    pub fn share_of(&self, digest: u64) -> Option<Share> {
+        self.find(digest).map(|i| {
+            let r = &self.shares[i];
+            Share {
+                digest,
+                weight: r.weight,
+                ceiling: r.ceiling,
+            }
+        })
+    }
+
     /// A call of `share` is to wait for `k` slots: its record is made (or its policy updated)
     /// now, so that [`Fair::join`], once the call has its ticket, cannot be refused. Err as
     /// `join` would be.
