@@ -99,10 +99,13 @@ impl Cap {
     fn give_back_share_at(&self, at: ShareAt, k: u32) {
         let line = Line::of(self);
         self.fair(|f| {
-            f.released_at(at, k);
             // A share at its ceiling competes again: the front in the new order of service.
-            if let Some(line) = &line {
-                line.reseat(f);
+            // Else the order is as it was, and the release's `wake_front` wakes the seats the
+            // freed slot serves.
+            if f.released_at(at, k) {
+                if let Some(line) = &line {
+                    line.reseat(f);
+                }
             }
         });
     }
@@ -244,12 +247,12 @@ impl Line {
         self.seg.block(self.e).1
     }
 
-    fn queue(&self) -> impl Iterator<Item = (Seated, u64)> + Clone {
-        queue_of(self.seg, self.entry).map(|w| (w.seated(), w.share.load(Ordering::Relaxed)))
-    }
-
-    fn rest(&self) -> impl Iterator<Item = Waiter> + Clone {
-        queue_of(self.seg, self.entry).map(WaiterRecord::waiter)
+    /// The cap's waiters (each with its share's digest), read once for a step: one walk of
+    /// every backend's waiter record, where the fair order would walk them once per seat.
+    fn queue(&self) -> Vec<(Seated, u64)> {
+        queue_of(self.seg, self.entry)
+            .map(|w| (w.seated(), w.share.load(Ordering::Relaxed)))
+            .collect()
     }
 
     /// Waiters that joined without a share (before the cap had shares, or racing its first)
@@ -289,7 +292,7 @@ impl Line {
     /// it); wakes the seats that may take now.
     fn reseat(&self, f: &Fair) {
         if f.waiting() > 0 {
-            let (order, widest) = f.seats(self.queue());
+            let (order, widest) = f.seats(self.queue().iter().copied());
             wake(self.e.line.reorder(&order, widest, self.bits()));
         }
     }
@@ -297,13 +300,19 @@ impl Line {
     /// Waiter `w` (its record already inactive) left the fair queue, `granted` or not: the
     /// count goes down, the front is seated again, the seats that may take now are woken.
     fn leave(&self, f: &mut Fair, w: Waiter, granted: bool) -> Option<ShareAt> {
+        let queue = self.queue();
+        let rest = queue.iter().map(|&(s, share)| Waiter {
+            share,
+            ticket: s.ticket,
+            k: s.k,
+        });
         let at = if granted {
-            f.granted(w, self.rest())
+            f.granted(w, rest)
         } else {
-            f.leave(w, self.rest());
+            f.leave(w, rest);
             None
         };
-        let (order, widest) = f.seats(self.queue());
+        let (order, widest) = f.seats(queue.iter().copied());
         wake(
             self.e
                 .line
@@ -331,6 +340,11 @@ impl Cap {
             return Ok(None);
         };
         let free = occupancy::free_below(line.bits(), n);
+        if free < k {
+            // Not enough free at this look: no step would let it take (`may_take_now`), so
+            // the exclusive lock is not taken for nothing on a saturated cap.
+            return Ok(None);
+        }
         self.fair(|f| {
             line.adopt(f)?;
             if !f.may_take_now(share, k, free) {
@@ -376,7 +390,7 @@ impl Cap {
                     fill(w, line.entry, n, k, since, ticket, share.digest);
                     let joined = f.join(share, ticket, k);
                     debug_assert!(joined.is_ok(), "admitted, yet refused: {joined:?}");
-                    f.seats(line.queue())
+                    f.seats(line.queue().iter().copied())
                 });
                 Ok(Some(Ticket { record, ticket }))
             })
@@ -442,6 +456,12 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
         e: seg.entry(cap.entry),
         entry: cap.entry,
     };
+    // A waiter granted under the lock (`Cap::take_in_line`) has left already: its own record
+    // says so (tickets are never reused, so a record another waiter took since does not look
+    // like ours), and the exclusive lock is not taken again for nothing.
+    if queued(seg, t).is_none() {
+        return;
+    }
     waits_locked(EXCLUSIVE, || {
         let Some(w) = queued(seg, t) else {
             return; // already left
@@ -518,3 +538,4 @@ impl Cap {
         })
     }
 }
+

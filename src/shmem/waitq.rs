@@ -179,7 +179,8 @@ pub(super) fn leave_locked(
     ));
 }
 
-/// With the waits lock held: the record of the waiter holding `t`, if it is still queued.
+/// The record of the waiter holding `t`, if it is still queued: under the waits lock, or by
+/// the waiter itself without it, to see that it has left (`shares::dequeue`).
 pub(super) fn queued(seg: &'static Segment, t: Ticket) -> Option<&'static WaiterRecord> {
     let w = &seg.waiters[t.record as usize];
     (w.active.load(Ordering::Relaxed) == 1 && w.ticket.load(Ordering::Relaxed) == t.ticket)

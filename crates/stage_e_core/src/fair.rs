@@ -650,28 +650,36 @@ impl<'a> Fair<'a> {
     }
 
     /// Share `digest` gave `k` slots back ([`Fair::released_at`], found by its digest).
-    pub fn released(&mut self, digest: u64, k: u32) {
+    pub fn released(&mut self, digest: u64, k: u32) -> bool {
         match self.find(digest) {
             Some(i) => self.released_at(ShareAt::of(i), k),
-            None => debug_assert!(false, "share {digest} released what it did not hold"),
+            None => {
+                debug_assert!(false, "share {digest} released what it did not hold");
+                false
+            }
         }
     }
 
     /// The share whose record is `at` ([`Fair::took_now`], [`Fair::granted`]) gave `k` slots
     /// back. A record that is not the cap's (a caller's bug) changes nothing: another cap's
-    /// share is never given slots it did not hold.
-    pub fn released_at(&mut self, at: ShareAt, k: u32) {
+    /// share is never given slots it did not hold. Returns whether the order of service may
+    /// have changed: only if the share has waiters and a ceiling (a share's held slots weigh
+    /// in the order only against its ceiling), so a release that cannot move the order need
+    /// not seat the front again.
+    pub fn released_at(&mut self, at: ShareAt, k: u32) -> bool {
         let Some(i) = at.0.checked_sub(1).map(|i| i as usize) else {
-            return;
+            return false;
         };
         if !self.chain().any(|c| c == i) {
             debug_assert!(false, "record {i} is not the cap's");
-            return;
+            return false;
         }
         let r = &mut self.shares[i];
         debug_assert!(r.held >= k);
         r.held = r.held.saturating_sub(k);
+        let moved = r.waiting > 0 && r.ceiling != NO_CEILING;
         self.forget_if_empty(i);
+        moved
     }
 
     /// A grant of `k` slots to share `i`: `S = max(V, F)`, `F = S + k/w`, `V = S`.

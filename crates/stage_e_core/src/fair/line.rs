@@ -217,8 +217,9 @@ impl Line {
     fn give_back(&self, sh: Share, s: &dyn Server) {
         let mut woken = Seats::default();
         s.lock(&mut |l| {
-            l.fair().released(sh.digest, 1);
-            if l.clock.waiting > 0 {
+            // The order moves only if the share has waiters and a ceiling (the server's
+            // `give_back_share`); else the line's own release wakes what the slot serves.
+            if l.fair().released(sh.digest, 1) {
                 let (seats, widest) = l.seats();
                 woken = self.line.reorder(&seats, widest, &self.bits);
             }
@@ -231,8 +232,9 @@ impl Line {
         occupancy::clear(&self.bits, slot);
         let mut woken = Seats::default();
         s.lock(&mut |l| {
-            l.fair().released(sh.digest, 1);
-            if l.clock.waiting > 0 {
+            // The order moves only if the share has waiters and a ceiling (the server's
+            // `give_back_share`); else the line's own release wakes what the slot serves.
+            if l.fair().released(sh.digest, 1) {
                 let (seats, widest) = l.seats();
                 woken = self.line.reorder(&seats, widest, &self.bits);
             }
