@@ -312,23 +312,45 @@ def test_bad_share_input_is_class_22_and_changes_nothing(connect):
     assert c.execute("SELECT * FROM stage_e_slot_holders").fetchall() == []
 
 
-def test_a_restart_keeps_weights_and_ceilings():
+def test_a_restart_keeps_weights_ceilings_and_the_shares_of_leases():
     """The policies are rows: after a restart, a share's ceiling and the '*' default bind
-    again, read afresh by the new backends."""
+    again, read afresh by the new backends. Leases carried over a clean restart count in the
+    shares they were taken in (the lease file says which): share 'big' (at most 2) keeps one
+    lease, so it takes one more slot, not two; the unnamed share (at most 1, the '*' default)
+    keeps its lease, so a call without a share gets NULL; and a restored lease's release gives
+    its slot back to its share."""
     c = Cluster("shares_restart").init().start()
     try:
         c.create_database("r")
         c.sql("SELECT stage_e_share('jobs', '*', 1, 1)", dbname="r")
         c.sql("SELECT stage_e_share('jobs', 'big', 4, 2)", dbname="r")
+        with c.connect("r") as s:
+            big = s.execute("SELECT * FROM stage_e_lease('jobs', 8, '1 h', '0', 'big')"
+                            ).fetchone()
+            unnamed = s.execute("SELECT * FROM stage_e_lease('jobs', 8, '1 h')").fetchone()
+            assert (big[0], unnamed[0]) == (0, 1)
+            before = shares(s, "jobs")
+            assert before == [(None, 1, 0), ("big", 1, 0)]
         c.stop()
         c.start()
-        with c.connect("r") as s:
+        with c.connect("r") as s, c.connect("r") as observer:
+            assert shares(observer, "jobs") == before, "the leases' shares after the restart"
+            assert observer.execute("SELECT slot, share, token FROM stage_e_slot_holders "
+                                    "WHERE cap = 'jobs' ORDER BY slot").fetchall() == [
+                (0, "big", big[1]), (1, None, unnamed[1])]
             take = "SELECT stage_e_try_slot('jobs', 8, '0', %s)"
-            assert [one(s, take, ("small",)) for _ in range(2)] == [0, None]
-            assert [one(s, take, ("big",)) for _ in range(3)] == [1, 2, None]
-            assert s.execute("SELECT share, weight, max_slots FROM stage_e_shares "
-                             "WHERE cap = 'jobs' ORDER BY share").fetchall() == [
-                ("big", 4, 2), ("small", 1, 1)]
+            assert one(s, "SELECT stage_e_try_slot('jobs', 8)") is None, "the unnamed share's 1"
+            assert [one(s, take, ("big",)) for _ in range(2)] == [2, None]
+            assert [one(s, take, ("small",)) for _ in range(2)] == [3, None]
+            assert s.execute("SELECT share, weight, max_slots, held FROM stage_e_shares "
+                             "WHERE cap = 'jobs' ORDER BY share NULLS FIRST").fetchall() == [
+                (None, 1, 1, 1), ("big", 4, 2, 2), ("small", 1, 1, 1)]
+            # pg_locks sees the session's slots (the leases are held by no session).
+            assert [slot for slot, _ in cap_locks(observer, "jobs")] == [2, 3]
+            assert one(s, "SELECT stage_e_release_lease('jobs', %s, %s)", big) is True
+            assert one(s, take, ("big",)) == 0, "the restored lease's slot given back to 'big'"
+            assert one(s, "SELECT stage_e_release_lease('jobs', %s, %s)", unnamed) is True
+            assert one(s, "SELECT stage_e_try_slot('jobs', 8)") == 1
     finally:
         c.destroy()
 

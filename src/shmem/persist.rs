@@ -37,9 +37,10 @@ use super::segment::{self, segment, Segment};
 use super::Cap;
 use pgrx::pg_sys;
 use stage_e_core::counters::{self, Carried};
-use stage_e_core::lease_file::{self, Checkpoint, LeaseFile, SavedHold, SavedLease};
+use stage_e_core::lease_file::{self, Checkpoint, LeaseFile, LeaseShare, SavedHold, SavedLease};
 use stage_e_core::lifecycle::StartKind;
 use stage_e_core::rate_file::RateFile;
+use stage_e_core::state::CapRef;
 use std::sync::Mutex;
 
 static mut PREV_SHMEM_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
@@ -78,8 +79,10 @@ unsafe extern "C-unwind" fn shmem_startup() {
         // not keep them out (what does not fit of the counts is kept for later instead).
         let control = control();
         *SEGMENT_MADE_AT.lock().unwrap_or_else(|e| e.into_inner()) = control;
-        let kind = restore_leases(seg, control);
+        let (kind, in_shares) = restore_leases(seg, control);
         restore_rates(seg, control, kind);
+        // After the rates: a share's digest is keyed with their secret.
+        restore_lease_shares(&in_shares);
         restore_pending(seg);
         databases::set_start_kind(kind);
         save_at_shutdown();
@@ -170,7 +173,12 @@ fn read_pending(remove: bool) -> Option<Vec<Carried>> {
 /// At start: how this segment begins. After a clean shutdown of a primary, its leases and
 /// token counters are put back exactly; a standby (or an archive recovery) takes none, since
 /// its end is a promotion and the durable horizon covers that.
-pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKind {
+/// Returns the leases restored in a share, to be put back in it once the secret is known
+/// ([`restore_lease_shares`]).
+pub(super) fn restore_leases(
+    seg: &Segment,
+    control: Option<Control>,
+) -> (StartKind, Vec<(CapRef, u32, LeaseShare)>) {
     // Bytes first: a file that is not even text is corrupt, not missing.
     let text = std::fs::read(LEASE_FILE).map(|b| String::from_utf8_lossy(&b).into_owned());
     let standby = ["standby.signal", "recovery.signal"]
@@ -185,16 +193,16 @@ pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKi
                  promoted"
             );
         }
-        return StartKind::Standby;
+        return (StartKind::Standby, Vec::new());
     }
     let Ok(text) = text else {
-        return StartKind::Crash;
+        return (StartKind::Crash, Vec::new());
     };
     // Not shut down cleanly since the file was written: the start that read it came up, and
     // what it granted since is not in it. The usual crash, said by the held-back caps' lines.
     let Some(last) = control.filter(|c| c.shut_down()).map(|c| c.at) else {
         let _ = std::fs::remove_file(LEASE_FILE);
-        return StartKind::Crash;
+        return (StartKind::Crash, Vec::new());
     };
     let file = match LeaseFile::decode(&text, major()).and_then(|f| f.check(last).map(|()| f)) {
         Ok(file) => file,
@@ -204,7 +212,7 @@ pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKi
                 "stage_e_slots: ignoring {LEASE_FILE}: {e}; starting as after a crash (caps \
                  whose durable lease horizon is in the future are held back until it)"
             );
-            return StartKind::Crash;
+            return (StartKind::Crash, Vec::new());
         }
     };
     if file.checkpoint.is_none() {
@@ -214,14 +222,18 @@ pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKi
     }
     seg.header.tokens.raise(file.last_token);
     let mut lost = 0;
+    let mut in_shares = Vec::new();
     for l in &file.leases {
         let key = l.key.unwrap_or_else(|| super::caps::first_key(&l.cap));
-        let restored =
-            restore_at_start(seg, l.database, &l.cap, key, l.slot + 1).is_ok_and(|cap| {
-                cap.restore_lease(l.slot, l.token, l.acquired_at, l.expires_at, l.owner)
-            });
-        if !restored {
-            lost += 1;
+        match restore_at_start(seg, l.database, &l.cap, key, l.slot + 1) {
+            Ok(cap) if cap.restore_lease(l.slot, l.token, l.acquired_at, l.expires_at, l.owner) => {
+                // Its place, not the pin: a later lease of the cap may grow it, which waits
+                // for no pin at start (it fails instead).
+                if l.share != LeaseShare::None {
+                    in_shares.push((cap.at, l.slot, l.share.clone()));
+                }
+            }
+            _ => lost += 1,
         }
     }
     // The holds a crash or a promotion left that had not ended at the shutdown.
@@ -239,7 +251,7 @@ pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKi
              {LEASE_FILE}; starting as after a crash",
             file.leases.len() + file.holds.len()
         );
-        return StartKind::Crash;
+        return (StartKind::Crash, in_shares);
     }
     if !(file.leases.is_empty() && file.holds.is_empty()) {
         pgrx::log!(
@@ -248,7 +260,35 @@ pub(super) fn restore_leases(seg: &Segment, control: Option<Control>) -> StartKi
             file.holds.len()
         );
     }
-    StartKind::Clean
+    (StartKind::Clean, in_shares)
+}
+
+/// Restored leases count in their shares again, as before the shutdown. One that finds no room
+/// (a smaller `stage_e_slots.max_shares`) counts in none: its slot still binds the cap, only
+/// its share's ceiling does not see it, and a LOG line says so.
+fn restore_lease_shares(leases: &[(CapRef, u32, LeaseShare)]) {
+    let mut lost = 0;
+    for (at, slot, share) in leases {
+        let Some(cap): Option<Cap> = pin(*at) else {
+            lost += 1;
+            continue;
+        };
+        let (digest, name) = match share {
+            LeaseShare::Named(name) => (rates::share_digest(cap.database(), name), name.as_str()),
+            _ => (stage_e_core::fair::UNNAMED, ""),
+        };
+        if !cap.restore_in_share(*slot, digest, name) {
+            lost += 1;
+        }
+    }
+    if lost > 0 {
+        pgrx::log!(
+            "stage_e_slots: {lost} of the {} restored leases taken in a share could not be put \
+             back in it (stage_e_slots.max_shares is smaller than when they were saved): they \
+             count in no share until released",
+            leases.len()
+        );
+    }
 }
 
 /// At start: the rate keys of the last clean shutdown, exactly (their arrival times, carried
@@ -466,6 +506,7 @@ fn save_leases(seg: &Segment, at: Checkpoint) {
                 expires_at: l.expires_at,
                 owner: l.owner,
                 key: Some(cap.key()),
+                share: cap.lease_share(l.slot),
             }));
         if let Some((until, reason)) = cap.held_until(now) {
             file.holds.push(SavedHold {

@@ -33,6 +33,7 @@ use stage_e_core::fair::{
     Clock, Fair, Pool, PoolHead, Refused, Share, ShareAt, ShareRecord, Waiter, NO_CEILING, UNNAMED,
 };
 use stage_e_core::front::Seated;
+use stage_e_core::lease_file::LeaseShare;
 use stage_e_core::occupancy;
 use stage_e_core::state::CapRef;
 use std::sync::atomic::Ordering;
@@ -347,6 +348,7 @@ impl Cap {
         }
         self.fair(|f| {
             line.adopt(f)?;
+            f.refresh(share);
             if !f.may_take_now(share, k, free) {
                 return Ok(None);
             }
@@ -539,3 +541,48 @@ impl Cap {
     }
 }
 
+/// A lease across a clean restart keeps its share (`persist`): read at shutdown, put back at
+/// start. Both run in the postmaster, alone (every backend gone, or none yet), so they read and
+/// change the records without the waits lock.
+impl Cap {
+    /// The share lease slot `slot` counts in, for the lease file.
+    pub(super) fn lease_share(&self, slot: u32) -> LeaseShare {
+        let (Some(at), Some(seg)) = (self.record(slot).share().checked_sub(1), segment()) else {
+            return LeaseShare::None;
+        };
+        let live =
+            stage_e_core::fair::live_shares(&self.entry().clock(), seg.share_records_shared())
+                .any(|(i, _)| i == at as usize);
+        match seg.share_notes[at as usize].name() {
+            _ if !live => LeaseShare::None,
+            Some(name) => LeaseShare::Named(name),
+            None => LeaseShare::Unnamed,
+        }
+    }
+
+    /// Restored lease slot `slot` counts in share `digest` (named `name`; `""`: the unnamed
+    /// share) again. The share has weight 1 and no ceiling until its next call brings its
+    /// policy (the postmaster cannot read the table): only its own calls meet its ceiling, and
+    /// each call brings the policy before it is admitted. False if the pool has no room: the
+    /// lease then counts in no share.
+    pub(super) fn restore_in_share(&self, slot: u32, digest: u64, name: &str) -> bool {
+        let Some(seg) = segment() else { return false };
+        let limit = stage_e_core::share::limit(seg.shares_len as u64, 100) as u32;
+        let share = Share {
+            digest,
+            weight: 1,
+            ceiling: NO_CEILING,
+        };
+        // No lock: the postmaster at start, alone.
+        fair_locked(seg, self.entry(), limit, |f| {
+            let Ok(at) = f.took_now(f.share_of(digest).unwrap_or(share), 1) else {
+                return false;
+            };
+            if let Some(n) = note(seg, at) {
+                n.set(name);
+            }
+            self.record(slot).set_share(at.0);
+            true
+        })
+    }
+}

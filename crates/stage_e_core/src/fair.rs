@@ -406,6 +406,18 @@ impl<'a> Fair<'a> {
         Ok(i)
     }
 
+    /// A call of `share` came: a record the share has takes its policy (a weight applies from
+    /// the next charge, a ceiling at once), as an admitted call's does, so that a share whose
+    /// record a restart restored without its policy shows it after any call, taken or not.
+    pub fn refresh(&mut self, share: Share) {
+        if Self::check(share, 1).is_ok() {
+            if let Some(i) = self.find(share.digest) {
+                let r = &mut self.shares[i];
+                (r.weight, r.ceiling) = (share.weight, share.ceiling);
+            }
+        }
+    }
+
     /// Whether a call of `share` that does not wait may take `k` of the `free` slots now: within
     /// its ceiling, and, while the cap has waiters, only if its share has none and it would be
     /// served before the first eligible head (or no head is eligible: the slots are nobody's).

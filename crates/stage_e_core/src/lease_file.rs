@@ -44,6 +44,39 @@ pub struct SavedLease {
     pub owner: u32,
     /// The cap's lock key (None in a file written before 0.7.0: the name's first key).
     pub key: Option<i32>,
+    /// The fair share it was taken in (None in a file written before 0.11.0).
+    pub share: LeaseShare,
+}
+
+/// The fair share a saved lease counts in (issue 38).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum LeaseShare {
+    /// None: its cap had no shares when it was taken.
+    #[default]
+    None,
+    /// The cap's unnamed share (a call without `share` on a cap with shares).
+    Unnamed,
+    Named(String),
+}
+
+impl LeaseShare {
+    /// As a lease line writes it: `-`, `unnamed` (not hex, so no name reads as it), or the
+    /// name in hex.
+    fn field(&self) -> String {
+        match self {
+            LeaseShare::None => "-".into(),
+            LeaseShare::Unnamed => "unnamed".into(),
+            LeaseShare::Named(name) => hex(name),
+        }
+    }
+
+    fn parse(field: &str) -> Option<LeaseShare> {
+        match field {
+            "-" => Some(LeaseShare::None),
+            "unnamed" => Some(LeaseShare::Unnamed),
+            h => unhex(h).filter(|n| !n.is_empty()).map(LeaseShare::Named),
+        }
+    }
 }
 
 /// Which clean shutdown a lease file belongs to: the cluster's system identifier and the LSN of
@@ -91,7 +124,9 @@ const LEASE_FILE_HEADER_V1: &str = "stage_e_slots leases v1";
 const LEASE_FILE_HEADER_V2: &str = "stage_e_slots leases v2";
 /// Since 0.9.1 a `checkpoint` line says which clean shutdown wrote the file, and `hold` lines
 /// carry the holds not yet ended.
-const LEASE_FILE_HEADER: &str = "stage_e_slots leases v3";
+const LEASE_FILE_HEADER_V3: &str = "stage_e_slots leases v3";
+/// Since 0.11.0 each lease line ends with the share the lease counts in.
+const LEASE_FILE_HEADER: &str = "stage_e_slots leases v4";
 
 /// Why a saved file is not used.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -193,7 +228,8 @@ impl LeaseFile {
         for l in &self.leases {
             let cap = hex(&l.cap);
             let key = key_field(l.key);
-            let fields: [&dyn Display; 8] = [
+            let share = l.share.field();
+            let mut fields: Vec<&dyn Display> = vec![
                 &l.database,
                 &cap,
                 &l.slot,
@@ -203,6 +239,9 @@ impl LeaseFile {
                 &l.owner,
                 &key,
             ];
+            if self.checkpoint.is_some() {
+                fields.push(&share); // (a v2 file has no share)
+            }
             put_line(&mut out, "lease", &fields);
         }
         // (A v2 file has no hold lines.)
@@ -220,10 +259,12 @@ impl LeaseFile {
     pub fn decode(text: &str, major: u32) -> Result<LeaseFile, FileError> {
         let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l));
         let corrupt = |i: usize| FileError::Corrupt(i);
-        let (keyed, stamped) = match lines.next() {
-            Some((_, LEASE_FILE_HEADER)) => (true, true),
-            Some((_, LEASE_FILE_HEADER_V2)) => (true, false),
-            Some((_, LEASE_FILE_HEADER_V1)) => (false, false),
+        // Fields after the owner: the key (v2 on), the share (v4).
+        let (extra, stamped) = match lines.next() {
+            Some((_, LEASE_FILE_HEADER)) => (2, true),
+            Some((_, LEASE_FILE_HEADER_V3)) => (1, true),
+            Some((_, LEASE_FILE_HEADER_V2)) => (1, false),
+            Some((_, LEASE_FILE_HEADER_V1)) => (0, false),
             other => return Err(corrupt(other.map_or(1, |(i, _)| i))),
         };
         let (i, stamp) = lines.next().ok_or(corrupt(2))?;
@@ -263,12 +304,16 @@ impl LeaseFile {
             let parsed = match w.as_slice() {
                 ["end"] => return Ok(file),
                 ["lease", db, name, slot, token, acquired, expires, owner, rest @ ..]
-                    if rest.len() == keyed as usize =>
+                    if rest.len() == extra =>
                 {
                     (|| {
                         let key = match rest.first() {
                             None | Some(&"-") => None,
                             Some(k) => Some(k.parse().ok()?),
+                        };
+                        let share = match rest.get(1) {
+                            None => LeaseShare::None,
+                            Some(s) => LeaseShare::parse(s)?,
                         };
                         file.leases.push(SavedLease {
                             database: db.parse().ok()?,
@@ -279,6 +324,7 @@ impl LeaseFile {
                             expires_at: expires.parse().ok()?,
                             owner: owner.parse().ok()?,
                             key,
+                            share,
                         });
                         Some(())
                     })()
@@ -360,6 +406,7 @@ mod unit {
                 expires_at: 851_000_000_000_000,
                 owner: 10,
                 key: Some(-1_155_795_468),
+                share: LeaseShare::Named("tenant é".into()),
             }],
             holds: vec![SavedHold {
                 database: 5,
@@ -381,7 +428,7 @@ mod unit {
             text.contains("\ncheckpoint 7448066310915473127 4362076200\n"),
             "{text}"
         );
-        let read = LeaseFile::decode(&text, 18).expect("a v3 file");
+        let read = LeaseFile::decode(&text, 18).expect("a v4 file");
         assert_eq!(read.check(AT), Ok(()));
         let later = Checkpoint {
             lsn: AT.lsn + 0x98,
@@ -422,6 +469,50 @@ mod unit {
         );
         let read = LeaseFile::decode(&old, 18).expect("a v2 file");
         assert_eq!((read.checkpoint, read.check(later)), (None, Ok(())));
+    }
+
+    /// Issue 38: a lease keeps its share over a clean restart; a file of 0.9.1 to 0.10.0 (v3)
+    /// is still read, its leases in no share.
+    #[test]
+    fn a_lease_line_ends_with_its_share() {
+        let mut f = sample();
+        let named = f.leases[0].clone();
+        f.leases.push(SavedLease {
+            slot: 4,
+            share: LeaseShare::Unnamed,
+            ..named.clone()
+        });
+        f.leases.push(SavedLease {
+            slot: 5,
+            share: LeaseShare::None,
+            ..named
+        });
+        let text = f.encode(18);
+        assert!(text.starts_with("stage_e_slots leases v4\n"), "{text}");
+        assert!(text.contains(" -1155795468 74656e616e7420c3a9\n"), "{text}");
+        assert!(text.contains(" -1155795468 unnamed\n"), "{text}");
+        assert!(text.contains(" -1155795468 -\n"), "{text}");
+        assert_eq!(LeaseFile::decode(&text, 18), Ok(f.clone()));
+        let v3 = text
+            .replace("leases v4", "leases v3")
+            .replace(" 74656e616e7420c3a9\n", "\n")
+            .replace(" unnamed\n", "\n")
+            .replace(" -1155795468 -\n", " -1155795468\n");
+        let read = LeaseFile::decode(&v3, 18).expect("a v3 file");
+        assert!(read.leases.iter().all(|l| l.share == LeaseShare::None));
+        // A share that is not hex (nor `-`, nor `unnamed`), or an empty name, is damage.
+        for bad in [" zz\n", " \n", " 746\n"] {
+            let damaged = text.replace(" 74656e616e7420c3a9\n", bad);
+            assert!(matches!(
+                LeaseFile::decode(&damaged, 18),
+                Err(FileError::Corrupt(_))
+            ));
+        }
+        // A v3 line with a share is damaged too.
+        assert!(matches!(
+            LeaseFile::decode(&text.replace("leases v4", "leases v3"), 18),
+            Err(FileError::Corrupt(_))
+        ));
     }
 
     #[test]
