@@ -114,13 +114,13 @@ SCRIPTS = {
 COMPOSED_S, COMPOSED_CLIENTS, COMPOSED_RATE = 30, 16, 20
 
 
-def pgbench(c: Cluster, script: str, clients: int, seconds: int) -> float:
+def pgbench(c: Cluster, script: str, clients: int, seconds: int, db: str = DB) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False, dir="/tmp") as f:
         f.write(script)
     Path(f.name).chmod(0o644)
     cmd = [str(c.bin / "pgbench"), "-n", "-M", "prepared", "-h", str(c.base), "-p",
            str(c.port), "-U", "postgres", "-c", str(clients), "-j", str(min(clients, 2)), "-T",
-           str(seconds), "-f", f.name, DB]
+           str(seconds), "-f", f.name, db]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     Path(f.name).unlink()
     m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)

@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE.parent / "scripts"))
 import adaptive  # noqa: E402
 import latency_bounds  # noqa: E402
 import rates  # noqa: E402
+import shares  # noqa: E402
 import verdicts  # noqa: E402
 from pgbouncer import PgBouncer  # noqa: E402
 from pgcluster import PG_CONFIG, Cluster, bindir  # noqa: E402
@@ -833,6 +834,8 @@ def load_results() -> tuple[dict, dict, dict]:
     bounds = json.loads((RESULTS / "latency_bounds.json").read_text())
     if (RESULTS / "rates.json").exists():  # measured since 0.10.0 (bench/rates.py)
         r["rates"] = json.loads((RESULTS / "rates.json").read_text())
+    if (RESULTS / "shares.json").exists():  # measured since 0.11.0 (bench/shares.py)
+        r["shares"] = json.loads((RESULTS / "shares.json").read_text())
     return r, a, bounds
 
 
@@ -845,20 +848,26 @@ def write_results(r: dict, bounds: dict) -> list[dict]:
     rate = r.pop("rates", None)
     if rate is not None:
         rate["targets"] = rates.targets(rate)
+    share = r.pop("shares", None)
+    if share is not None:
+        share["targets"] = shares.targets(share)
     # The parts bench/readme.py copies into README.md, each after its marker.
     table = "\n\n".join([part("make bench", report(r)),
                           part("adaptive caps", adaptive.report(r["adaptive"])),
                           part("latency bounds", latency_bounds.report(bounds))]
-                         + ([part("rate limits", rates.report(rate))] if rate else []))
+                         + ([part("rate limits", rates.report(rate))] if rate else [])
+                         + ([part("fair shares", shares.report(share))] if share else []))
     print("\n" + table)
     (RESULTS / "results.json").write_text(json.dumps(r, indent=2) + "\n")
     (RESULTS / "adaptive.json").write_text(json.dumps(r["adaptive"], indent=2) + "\n")
     (RESULTS / "latency_bounds.json").write_text(json.dumps(bounds, indent=2) + "\n")
     if rate is not None:
         (RESULTS / "rates.json").write_text(json.dumps(rate, indent=2) + "\n")
+    if share is not None:
+        shares.write(share)
     (RESULTS / "summary.md").write_text(table + "\n")
     return (r["targets"] + r["adaptive"]["targets"] + bounds["targets"]
-            + (rate["targets"] if rate else []))
+            + (rate["targets"] if rate else []) + (share["targets"] if share else []))
 
 
 def commit() -> str:
@@ -925,14 +934,15 @@ def main() -> int:
     r["adaptive"] = adaptive.bench_adaptive(PG_CONFIG)
     bounds = latency_bounds.bench_bounds(PG_CONFIG)
     r["rates"] = rates.bench_rates(PG_CONFIG)
+    r["shares"] = shares.bench_shares(PG_CONFIG)
     r["seconds"] = round(time.monotonic() - started)
     r["commit"] = commit()
     bounds["commit"] = r["commit"]
     every = write_results(r, bounds)
     plot(r, RESULTS / "bench.png")
     adaptive.plot(r["adaptive"], RESULTS / "adaptive.png")
-    print(f"\nWrote {RESULTS}/results.json, adaptive.json, latency_bounds.json, summary.md, "
-          f"bench.png, adaptive.png ({r['seconds']} s)")
+    print(f"\nWrote {RESULTS}/results.json, adaptive.json, latency_bounds.json, rates.json, "
+          f"shares.json, summary.md, bench.png, adaptive.png, shares.png ({r['seconds']} s)")
     print(verdicts.tally(every))
     return 1 if verdicts.failed(every) else 0
 
