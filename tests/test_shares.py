@@ -312,6 +312,32 @@ def test_bad_share_input_is_class_22_and_changes_nothing(connect):
     assert c.execute("SELECT * FROM stage_e_slot_holders").fetchall() == []
 
 
+def test_a_lock_on_the_policy_table_holds_up_the_named_call_alone(connect):
+    """A call in a named share reads its policy (by SPI, on a miss of its backend's cache)
+    before admission pins its cap: a lock a DBA holds on stage_e_share_policy holds up that call
+    only, and a grow of its cap, which waits for every pin to go, goes on. Before, the policy
+    was read with the cap pinned, and the grow waited for the lock's holder."""
+    admin, observer = connect("admin"), connect("observer")
+    assert one(admin, "SELECT stage_e_try_slot('policy_locked', 2)") == 0  # the cap exists
+    admin.execute("SELECT stage_e_release_all()")
+    blocker = connect("blocker")
+    blocker.execute("BEGIN")
+    blocker.execute("LOCK TABLE stage_e_share_policy IN ACCESS EXCLUSIVE MODE")
+    named = Waiter(connect("named"), "SELECT stage_e_try_slot(%s, %s, %s, %s)",
+                   ("policy_locked", 2, "0", "tenant"))
+    wait_for(lambda: one(observer, "SELECT count(*) FROM pg_locks WHERE NOT granted AND "
+                                   "relation = 'stage_e_share_policy'::regclass") == 1,
+             timeout=10, what="the named call to wait for the policy table's lock")
+    grower = Waiter(connect("grower"), "SELECT stage_e_try_slot('policy_locked', 1000)")
+    grower.wait(20)
+    assert (grower.error, grower.result) == (None, 0), "the grow waited for the named call"
+    assert not named.done.is_set()
+    blocker.execute("ROLLBACK")
+    named.wait()
+    assert (named.error, named.result) == (None, 1)  # the grower holds slot 0
+    assert shares(observer, "policy_locked") == [("tenant", 1, 0)]
+
+
 def test_a_restart_keeps_weights_ceilings_and_the_shares_of_leases():
     """The policies are rows: after a restart, a share's ceiling and the '*' default bind
     again, read afresh by the new backends. Leases carried over a clean restart count in the

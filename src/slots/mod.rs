@@ -270,6 +270,16 @@ fn acquire(
 ) -> Result<Option<Taken>, SlotError> {
     shares::check_share_name(share)?;
     let name = cap;
+    // A named share's policy is read (by SPI, on a miss of this backend's cache) before
+    // admission pins the cap: a lock held on the policy table then holds up this call alone,
+    // never a grow of its cap, which waits for every pin to go.
+    let call = match share {
+        Some(_) => {
+            ready()?;
+            Some(shares::resolve(check_name(name)?, share)?)
+        }
+        None => None,
+    };
     let Some(Admitted {
         cap,
         n,
@@ -282,8 +292,8 @@ fn acquire(
     };
     let gate = gate.as_deref();
     // A call in a share, or on a cap with shares (one load), through the cap's fair queue.
-    if share.is_some() || cap.has_shares() {
-        return in_share(cap, name, n, k, wait, kind, gate, share);
+    if call.is_some() || cap.has_shares() {
+        return in_share(cap, name, n, k, wait, kind, gate, call);
     }
     // Without waiters (one load: the hot path), from slot 0; with waiters, `not_taken` looks
     // at the slots no waiter can use.
@@ -295,9 +305,9 @@ fn acquire(
     not_taken(cap, n, k, wait, kind, gate)
 }
 
-/// A call in `share` (None: the cap's unnamed share) of cap `name` (`shares`): its policy
-/// found, taken now through the fair queue, or (after freeing what expired, as `not_taken`
-/// does) in line in its share, or throttled.
+/// A call in share `call` (None: the cap's unnamed share, whose policy is found here) of cap
+/// `name` (`shares`): taken now through the fair queue, or (after freeing what expired, as
+/// `not_taken` does) in line in its share, or throttled.
 #[cold]
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
@@ -309,9 +319,12 @@ fn in_share(
     wait: Wait,
     kind: Kind,
     gate: Option<&rates::Gate>,
-    share: Option<&str>,
+    call: Option<shares::CallShare>,
 ) -> Result<Option<Taken>, SlotError> {
-    let call = shares::resolve(check_name(name)?, share)?;
+    let call = match call {
+        Some(call) => call,
+        None => shares::resolve(check_name(name)?, None)?,
+    };
     let now = session::statement_start();
     if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, &call)? {
         return Ok(Some(record(&cap, k, got)));
