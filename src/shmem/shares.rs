@@ -85,8 +85,9 @@ impl Cap {
     }
 
     /// Slots of this cap taken in the share at `at` (from their holder records; 0: none) are
-    /// given back: `k` of them. The front is seated again (a share back under its ceiling
-    /// competes again) and the seats that may take now are woken.
+    /// given back: `k` of them. If that may move the order of service (the share has waiters
+    /// and a ceiling: back under it, it competes again), the front is seated again and the
+    /// seats that may take now are woken; else the caller's `wake_front` wakes them.
     #[inline]
     pub fn give_back_share(&self, at: u32, k: u32) {
         // Every release of a cap without shares passes here: one compare, then out of line.

@@ -6,8 +6,9 @@
 //! that does not wait reserves a slot in its share under the lock only if its share is to be
 //! served first ([`Fair::may_take_now`], [`Fair::took_now`]), claims it without the lock and
 //! gives the reservation back if it lost the claim; a release clears its bit, gives the slot
-//! back to its share and reseats (a share at its ceiling competes again), and then the line
-//! wakes whom the free slots serve. The steps are written once here, over what
+//! back to its share, reseats only if that may move the order (its share has waiters and a
+//! ceiling: a share at its ceiling competes again), and then the line wakes whom the free
+//! slots serve. The steps are written once here, over what
 //! the server supplies ([`Server`]), for the thread tests (`line_threads`) and the loom models
 //! (`line_model`).
 
