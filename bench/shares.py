@@ -68,12 +68,18 @@ def one(conn, query, params=None):
     return row[0] if row else None
 
 
+def blocked(c: Cluster, cap: str) -> list:
+    """Four sessions holding every slot of `cap` (n = 4), for waiters to queue behind."""
+    blockers = [c.connect(DB, f"blocker-{i}") for i in range(4)]
+    for b in blockers:
+        assert one(b, "SELECT stage_e_try_slot(%s, 4)", (cap,)) is not None
+    return blockers
+
+
 def flood(c: Cluster) -> dict:
     hold = 0.05
     admin = c.connect(DB, "admin")
-    blockers = [c.connect(DB, f"blocker-{i}") for i in range(4)]
-    for b in blockers:
-        assert one(b, "SELECT stage_e_try_slot('flood', 4)") is not None
+    blockers = blocked(c, "flood")
     grants, lock = [], threading.Lock()
 
     def waiter(share: str, i: int, ready: threading.Event) -> None:
@@ -130,9 +136,7 @@ def many_tenants(c: Cluster, small: int = 200, big: int = 1000) -> dict:
     10th grant."""
     hold = 0.005
     admin = c.connect(DB, "admin")
-    blockers = [c.connect(DB, f"blocker-{i}") for i in range(4)]
-    for b in blockers:
-        assert one(b, "SELECT stage_e_try_slot('many', 4)") is not None
+    blockers = blocked(c, "many")
     grants, lock = [], threading.Lock()
     conns = [(c.connect(DB, "big"), "big") for _ in range(big)]
     conns += [(c.connect(DB, "small"), f"small-{i}") for i in range(small)]
