@@ -2,10 +2,11 @@
 the observer: a flood of one share does not hold back a later one, weights split the grants,
 ceilings bind while the other shares take the rest (no slot idle while a usable waiter waits),
 an idle share banks no credit, a waiter that times out, is cancelled or is terminated leaves its
-share's accounting right, leases and session slots count in one share, waiters that came before
-the cap had shares are served, policies are transactional and survive a restart, and bad input
-is class 22."""
+share's accounting right (cancels and terminations amid hand-offs too), leases and session
+slots count in one share, waiters that came before the cap had shares are served, policies are
+transactional and survive a restart, and bad input is class 22."""
 
+import random
 import threading
 import time
 
@@ -396,3 +397,62 @@ def test_shares_divide_an_adaptive_limit_and_are_charged_by_a_rate(connect):
     assert [one(admin, take, ("rated", s)) for s in ("A", "B", "C")] == [0, 1, None]
     assert one(observer, "SELECT rate_limited FROM stage_e_stats() WHERE cap = 'rated'") == 1
     assert shares(observer, "rated") == [("A", 1, 0), ("B", 1, 0)]
+
+
+def test_cancels_and_terminations_amid_hand_offs_leave_every_share_right(connect, cluster, db):
+    """An attack on the hand-off itself: 8 sessions take and release slots of a cap of n = 2
+    in shares A (at most 1) and B, waiting, while an attacker cancels and terminates them at
+    random, so some land between a waiter's take of its slot and the count of its grant.
+    Sampled meanwhile, A never holds more than 1 and pg_locks never shows more than 2 slots;
+    once every session has stopped, no share is left, no slot is held, and A and B each still
+    take their slots."""
+    admin, observer = connect("admin"), connect("observer")
+    admin.execute("SELECT stage_e_share('churn', 'A', 1, 1)")
+    stop = time.monotonic() + 4
+    pids: dict[int, str] = {}
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        share = "AB"[i % 2]
+        while time.monotonic() < stop:
+            try:
+                with cluster.connect(db, f"churn-{i}") as c:
+                    with lock:
+                        pids[c.info.backend_pid] = share
+                    while time.monotonic() < stop:
+                        slot = one(c, "SELECT stage_e_try_slot('churn', 2, '1 s', %s)", (share,))
+                        if slot is not None:
+                            assert one(c, "SELECT stage_e_release('churn', %s)", (slot,)) is True
+            except (errors.QueryCanceled, psycopg.OperationalError):
+                continue  # the attacker's doing: a new session, the same share
+
+    def attacker() -> None:
+        rng, k = random.Random(38), 0
+        while time.monotonic() < stop:
+            with lock:
+                victims = sorted(pids)
+            if victims:
+                k += 1
+                f = "pg_terminate_backend" if k % 5 == 0 else "pg_cancel_backend"
+                admin.execute(f"SELECT {f}(%s)", (rng.choice(victims),))
+            time.sleep(rng.uniform(0.001, 0.02))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    threads.append(threading.Thread(target=attacker))
+    for t in threads:
+        t.start()
+    most_a, most_locks, samples = 0, 0, 0
+    while any(t.is_alive() for t in threads[:-1]):
+        held = {s: h for s, h, _ in shares(observer, "churn")}
+        most_a = max(most_a, held.get("A", 0))
+        most_locks = max(most_locks, len(cap_locks(observer, "churn")))
+        samples += 1
+    for t in threads:
+        t.join()
+    assert samples > 10, samples
+    assert (most_a, most_locks) <= (1, 2), (most_a, most_locks)
+    wait_for(lambda: shares(observer, "churn") == [] and cap_locks(observer, "churn") == [],
+             timeout=10, what="every share forgotten, every slot free")
+    assert one(observer, "SELECT stage_e_try_slots('churn', 2, 1, '0', 'A')") == [0]
+    assert one(observer, "SELECT stage_e_try_slots('churn', 2, 1, '0', 'A')") is None
+    assert one(observer, "SELECT stage_e_try_slots('churn', 2, 1, '0', 'B')") == [1]

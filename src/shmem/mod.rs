@@ -10,7 +10,7 @@
 //!   `cap_refs`, `busy_caps`, `databases`, `databases_with_pending`, `reclaim_database`, `usage`;
 //! - waiting: `dequeue`, `waiters_of`, [`WaiterInfo`];
 //! - fair shares: `Cap::has_shares`, `Cap::reserve_now`, `Cap::enqueue_in_share`,
-//!   `Cap::take_in_line`, `Cap::give_back_share`, `shares_of`;
+//!   `Cap::granted_in_line`, `Cap::take_in_line`, `Cap::give_back_share`, `shares_of`;
 //! - leases: `caps_with_leases_due`, [`LeaseCheck`], [`LeaseInfo`], [`LeaseRefused`];
 //! - load averages: `sample_load`, `load_of`, [`Load`];
 //! - rate keys: `try_rate`, `peek_rate`, `any_rate_policy`, `note_rates_recovered`, [`NoRoom`]; rate policies:

@@ -400,13 +400,14 @@ impl Cap {
         })
     }
 
-    /// A waiter of a cap with shares (`t`), woken: under the waits lock, if it is seated and
-    /// the free slots serve it, `take(from, share)` takes its slots (from slot `from` up,
-    /// naming its share's record in their holder records: `share`, 0 for none); taken, the
-    /// waiter is granted in its share and leaves the queue, and the front is seated again.
-    /// The take is under the lock so that the grant is counted before any release of the
-    /// slots can give them back. None if it may not take now (or `take` found nothing). `now`
-    /// is when, for the share's wait time.
+    /// A waiter of a cap with shares (`t`), woken, taking leases: under the waits lock, if it
+    /// is seated and the free slots serve it, `take(from, share)` takes its slots (from slot
+    /// `from` up, naming its share's record in their holder records: `share`, 0 for none);
+    /// taken, the waiter is granted in its share and leaves the queue, and the front is seated
+    /// again. The take is under the lock so that the grant is counted before any release of
+    /// the slots can give them back: a lease may be released by another session (its token)
+    /// or expire. None if it may not take now (or `take` found nothing). `now` is when, for the
+    /// share's wait time. Session slots take without the lock ([`Cap::granted_in_line`]).
     pub fn take_in_line<T, E>(
         &self,
         t: Ticket,
@@ -442,6 +443,45 @@ impl Cap {
                     }
                 }
                 Ok(got)
+            })
+        })
+    }
+}
+
+impl Cap {
+    /// A waiter of a cap with shares (`t`) took session slots `slots` without the lock, as a
+    /// waiter of a cap without shares does, in no share: under the waits lock it is granted in
+    /// its share and leaves the queue, the front is seated again, and then the slots' holder
+    /// records name the share. Until then a release of them gives nothing back to a share, and
+    /// none comes: a session slot is released by its own session alone, which is here (its
+    /// ERROR or exit before this step leaves the queue ungranted and frees the slots in no
+    /// share, so the share's counts stay right either way). `now` is when, for the share's
+    /// wait time. The lock is held for the accounting only: the lock manager's work (the
+    /// slots' advisory locks) is done before it.
+    pub fn granted_in_line(&self, t: Ticket, now: i64, slots: impl Iterator<Item = u32>) {
+        let Some(line) = Line::of(self) else { return };
+        let seg = line.seg;
+        waits_locked(EXCLUSIVE, || {
+            fair_locked(seg, line.e, limit(seg), |f| {
+                let Some(w) = queued(seg, t) else {
+                    debug_assert!(false, "a waiter that took left the queue before its grant");
+                    return;
+                };
+                // Pool full: a waiter left in no share is served by its seat, counted in none.
+                let _ = line.adopt(f);
+                let me = w.waiter();
+                w.active.store(0, Ordering::Release);
+                if me.share == 0 {
+                    dequeue_plain(line, t, w);
+                } else if let Some(at) = line.leave(f, me, true) {
+                    let waited = (now - w.since.load(Ordering::Relaxed)).max(0) as u64;
+                    if let Some(n) = note(seg, at) {
+                        n.granted(me.k, waited);
+                    }
+                    for slot in slots {
+                        self.record(slot).set_share(at.0);
+                    }
+                }
             })
         })
     }

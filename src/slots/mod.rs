@@ -219,6 +219,14 @@ impl Taken {
         }
     }
 
+    pub fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        let (one, many) = match self {
+            Taken::One(g) => (Some(g.slot), &[][..]),
+            Taken::Many(v) => (None, &v[..]),
+        };
+        one.into_iter().chain(many.iter().map(|g| g.slot))
+    }
+
     pub fn into_vec(self) -> Vec<u32> {
         match self {
             Taken::One(g) => vec![g.slot],

@@ -21,9 +21,11 @@
 //! lease record's lock, so no release misses it.
 //!
 //! A call that waits (`waiting`) joins the cap's queue in its share (`Cap::enqueue_in_share`):
-//! the front seats are in the fair queue's order of service, and a seated waiter, woken, takes
-//! its slots under the waits lock (`Cap::take_in_line`), so that its grant is counted in its
-//! share before any release of those slots can give them back.
+//! the front seats are in the fair queue's order of service. A seated waiter, woken, takes
+//! session slots without the lock, in no share, and then under it its grant is counted in its
+//! share and the slots' holder records name it (`Cap::granted_in_line`): only the waiter's own
+//! session releases them, and it has not yet. Leases, which another session may release, are
+//! taken under the lock and counted in the same round (`Cap::take_in_line`).
 
 //! A share's policy (weight, ceiling) is the row of `stage_e_share_policy` for the cap and the
 //! share, else the cap's `'*'` row, else weight 1 and no ceiling. `stage_e_share` writes it in

@@ -118,15 +118,22 @@ pub(super) fn wait_in_line(
         super::expire_due(&cap); // wakes the waiters that the freed slots serve, us included
         let mut rate_wait = None;
         if let Some(from) = cap.may_take(ticket) {
-            // A cap with shares (ours, or shares that came since we joined): under the lock,
-            // counted in the share as it is taken. Else without the lock, from where the
-            // front says.
-            let got = if cap.has_shares() {
-                cap.take_in_line(ticket, session::now(), |from, at| {
-                    super::take(&cap, n, k, from, session::now(), kind, gate, at)
-                })?
-            } else {
-                super::take(&cap, n, k, from, session::now(), kind, gate, 0)?
+            // Without the lock, from where the front says. On a cap with shares (ours, or
+            // shares that came since we joined) the grant is then counted in the share, under
+            // the lock; a lease, which another session may release, is taken under it.
+            let got = match kind {
+                Kind::Lease { .. } if cap.has_shares() => {
+                    cap.take_in_line(ticket, session::now(), |from, at| {
+                        super::take(&cap, n, k, from, session::now(), kind, gate, at)
+                    })?
+                }
+                _ => {
+                    let got = super::take(&cap, n, k, from, session::now(), kind, gate, 0)?;
+                    if let Some(got) = got.as_ref().filter(|_| cap.has_shares()) {
+                        cap.granted_in_line(ticket, session::now(), got.slots());
+                    }
+                    got
+                }
             };
             if let Some(got) = got {
                 drop(queued); // moves the front up, and wakes whom the free slots cover

@@ -1,8 +1,8 @@
 //! The fair queue run with the wait line's protocol, the way the server runs a cap with shares
 //! (`shmem::shares`, `slots::shares`): under the queue lock a waiter joins both
 //! (`queue::WaitLine::join_in_order` seats the front in [`Fair::order`]); a seated waiter that
-//! sees a slot it may take claims it under the lock and records its grant and reseats in the
-//! same round ([`Fair::granted`], `leave_in_order`); a waiter that gives up leaves both; a call
+//! sees a slot it may take claims it without the lock, then records its grant and reseats
+//! under it ([`Fair::granted`], `leave_in_order`); a waiter that gives up leaves both; a call
 //! that does not wait reserves a slot in its share under the lock only if its share is to be
 //! served first ([`Fair::may_take_now`], [`Fair::took_now`]), claims it without the lock and
 //! gives the reservation back if it lost the claim; a release clears its bit, gives the slot
@@ -148,9 +148,11 @@ impl Line {
     }
 
     /// Queued with `ticket`: waits until the front lets it take a slot, or, woken, it
-    /// `gives_up` (None). Seated and seeing a free slot it may take, it takes it under the lock
-    /// and records its grant in the same round (the server's `Cap::take_in_line`), so that no
-    /// release of the slot can give it back to the share before the grant counted it.
+    /// `gives_up` (None). Seated and seeing a free slot it may take, it claims it without the
+    /// lock, as a waiter of a cap without shares does, then records its grant under the lock
+    /// (the server's `Cap::granted_in_line`). Only its own thread releases the slot, after
+    /// that, so no release gives it back to the share before the grant counted it. (A lease,
+    /// which another session may release, is taken under the lock: `Cap::take_in_line`.)
     pub(super) fn wait(
         &self,
         ticket: u64,
@@ -164,22 +166,16 @@ impl Line {
             k: 1,
         };
         loop {
-            if self.line.may_take(ticket, &self.bits).is_some() {
-                let (mut served, mut woken) = (None, Seats::default());
-                s.lock(&mut |l| {
-                    served = self
-                        .line
-                        .may_take(ticket, &self.bits)
-                        .and_then(|from| occupancy::claim_first_free(&self.bits, from, self.n))
-                        .map(|c| c.keep());
-                    if served.is_some() {
-                        woken = self.leave(l, me, true);
-                    }
-                });
+            let claimed = self
+                .line
+                .may_take(ticket, &self.bits)
+                .and_then(|from| occupancy::claim_first_free(&self.bits, from, self.n));
+            if let Some(claim) = claimed {
+                let slot = claim.keep();
+                let mut woken = Seats::default();
+                s.lock(&mut |l| woken = self.leave(l, me, true));
                 s.wake(&woken);
-                if served.is_some() {
-                    return served;
-                }
+                return Some(slot);
             }
             s.park();
             if gives_up() {
