@@ -61,6 +61,11 @@ HANDOFF = {
         "AS slot \\gset\n"
         "SELECT stage_e_release('handoff_shares', :slot::int);\n"),
 }
+# The calibration: a twin of the cap without shares, run as one more alternate. Its ratio to
+# the cap without shares, round by round, is the spread this machine shows where the code is
+# the same (no verdict: it says how far a round of the ratio above can be trusted).
+TWIN = "no shares, a twin cap"
+HANDOFF[TWIN] = HANDOFF["no shares"].replace("'handoff'", "'handoff_twin'")
 
 
 def one(conn, query, params=None):
@@ -250,9 +255,10 @@ def plot(r: dict, path: Path) -> None:
 
 def handoff(c: Cluster) -> dict:
     """The hand-off of a saturated cap (32 clients, n = 4) with every call in one of 10 shares
-    against the same cap without shares, in HANDOFF_ROUNDS alternating rounds."""
+    against the same cap without shares, and a twin of that one (the calibration), in
+    HANDOFF_ROUNDS alternating rounds."""
     with c.connect(DB, "admin") as admin:  # both caps exist before the first round
-        for cap in ("handoff", "handoff_shares"):
+        for cap in ("handoff", "handoff_shares", "handoff_twin"):
             admin.execute("SELECT stage_e_release(%s, stage_e_try_slot(%s, 4))", (cap, cap))
     seen: dict[str, list[float]] = {k: [] for k in HANDOFF}
     order = list(HANDOFF)
@@ -315,6 +321,12 @@ def report(r: dict) -> str:
                   + ", ".join(f"{k} {statistics.median(v):,.0f}"
                               for k, v in h["tps_rounds"].items()) + ".", ""]
         lines += verdicts.table(rows[len(measured):])
+        if TWIN in h["tps_rounds"]:
+            twin = verdicts.ratios(h["tps_rounds"][TWIN], h["tps_rounds"]["no shares"])
+            lines += ["", (f"Calibration: the cap without shares against a twin of itself, "
+                           f"round by round, median {statistics.median(twin):.2f}x "
+                           f"({min(twin):.2f}-{max(twin):.2f}): the spread of a round's ratio "
+                           "on this machine where the code is the same.")]
     lines += ["", "![grants per share over time](../bench/results/shares.png)"]
     return "\n".join(lines)
 
@@ -347,7 +359,7 @@ def bench_shares(pg_config: str = PG_CONFIG) -> dict:
     # 100): a step of the fair queue reads every backend's waiter record, so its cost grows
     # with max_connections, which the runs above raise to 1,300.
     print(f"  fair shares: hand-off, {HANDOFF_CLIENTS} clients, {HANDOFF_SHARES} shares vs "
-          f"none, {HANDOFF_ROUNDS} rounds x {HANDOFF_SECONDS} s", flush=True)
+          f"none and a twin of none, {HANDOFF_ROUNDS} rounds x {HANDOFF_SECONDS} s", flush=True)
     c = Cluster("shares_handoff", {"max_connections": 100}, port=PORT,
                 pg_config=pg_config).init().start()
     try:
