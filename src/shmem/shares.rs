@@ -32,7 +32,7 @@ use crate::gucs;
 use stage_e_core::fair::{
     Clock, Fair, Pool, PoolHead, Refused, Share, ShareAt, ShareRecord, Waiter, NO_CEILING, UNNAMED,
 };
-use stage_e_core::front::Seated;
+use stage_e_core::front::{Seated, Seats};
 use stage_e_core::lease_file::LeaseShare;
 use stage_e_core::occupancy;
 use stage_e_core::state::CapRef;
@@ -100,16 +100,16 @@ impl Cap {
     #[inline(never)]
     fn give_back_share_at(&self, at: ShareAt, k: u32) {
         let line = Line::of(self);
-        self.fair(|f| {
+        let woken = self.fair(|f| {
             // A share at its ceiling competes again: the front in the new order of service.
             // Else the order is as it was, and the release's `wake_front` wakes the seats the
             // freed slot serves.
-            if f.released_at(at, k) {
-                if let Some(line) = &line {
-                    line.reseat(f);
-                }
+            match &line {
+                Some(line) if f.released_at(at, k) => line.reseat(f),
+                _ => Seats::default(),
             }
         });
+        wake(woken);
     }
 }
 
@@ -291,17 +291,20 @@ impl Line {
     }
 
     /// The front seated again in the order of service (a grant or a release in a share moved
-    /// it); wakes the seats that may take now.
-    fn reseat(&self, f: &Fair) {
-        if f.waiting() > 0 {
-            let (order, widest) = f.seats(self.queue().iter().copied());
-            wake(self.e.line.reorder(&order, widest, self.bits()));
+    /// it); returns the seats that may take now, for the caller to wake once the lock is
+    /// released (a process woken while we hold the lock would run only to wait for it).
+    fn reseat(&self, f: &Fair) -> Seats {
+        if f.waiting() == 0 {
+            return Seats::default();
         }
+        let (order, widest) = f.seats(self.queue().iter().copied());
+        self.e.line.reorder(&order, widest, self.bits())
     }
 
     /// Waiter `w` (its record already inactive) left the fair queue, `granted` or not: the
-    /// count goes down, the front is seated again, the seats that may take now are woken.
-    fn leave(&self, f: &mut Fair, w: Waiter, granted: bool) -> Option<ShareAt> {
+    /// count goes down, the front is seated again. Returns where its share's record is (if
+    /// granted) and the seats that may take now, to wake once the lock is released.
+    fn leave(&self, f: &mut Fair, w: Waiter, granted: bool) -> (Option<ShareAt>, Seats) {
         let queue = self.queue();
         let rest = queue.iter().map(|&(s, share)| Waiter {
             share,
@@ -315,12 +318,11 @@ impl Line {
             None
         };
         let (order, widest) = f.seats(queue.iter().copied());
-        wake(
-            self.e
-                .line
-                .leave_in_order(&self.e.waiters, &order, widest, self.bits()),
-        );
-        at
+        let woken = self
+            .e
+            .line
+            .leave_in_order(&self.e.waiters, &order, widest, self.bits());
+        (at, woken)
     }
 }
 
@@ -347,20 +349,22 @@ impl Cap {
             // the exclusive lock is not taken for nothing on a saturated cap.
             return Ok(None);
         }
-        self.fair(|f| {
+        let (at, woken) = self.fair(|f| {
             line.adopt(f)?;
             f.refresh(share);
             if !f.may_take_now(share, k, free) {
-                return Ok(None);
+                return Ok((None, Seats::default()));
             }
             let at = f.took_now(share, k)?;
             if let Some(n) = note(line.seg, at) {
                 n.set(name);
                 n.granted(k, 0);
             }
-            line.reseat(f); // a charge moves V, which may reorder the heads
-            Ok(Some(at))
-        })
+            // A charge moves V, which may reorder the heads.
+            Ok((Some(at), line.reseat(f)))
+        })?;
+        wake(woken);
+        Ok(at)
     }
 
     /// Joins the cap's queue in `share`, for `k` slots of `[0, n)`: the front is seated in the
@@ -418,7 +422,8 @@ impl Cap {
             return Ok(None);
         };
         let seg = line.seg;
-        waits_locked(EXCLUSIVE, || {
+        let mut woken = Seats::default();
+        let got = waits_locked(EXCLUSIVE, || {
             fair_locked(seg, line.e, limit(seg), |f| {
                 let Some(w) = queued(seg, t) else {
                     return Ok(None);
@@ -434,17 +439,21 @@ impl Cap {
                 if got.is_some() {
                     w.active.store(0, Ordering::Release);
                     if me.share == 0 {
-                        dequeue_plain(line, t, w);
-                    } else if let Some(at) = line.leave(f, me, true) {
+                        woken = dequeue_plain(&line, t, w);
+                    } else {
+                        let at;
+                        (at, woken) = line.leave(f, me, true);
                         let waited = (now - w.since.load(Ordering::Relaxed)).max(0) as u64;
-                        if let Some(n) = note(seg, at) {
+                        if let Some(n) = at.and_then(|at| note(seg, at)) {
                             n.granted(me.k, waited);
                         }
                     }
                 }
                 Ok(got)
             })
-        })
+        });
+        wake(woken);
+        got
     }
 }
 
@@ -461,19 +470,21 @@ impl Cap {
     pub fn granted_in_line(&self, t: Ticket, now: i64, slots: impl Iterator<Item = u32>) {
         let Some(line) = Line::of(self) else { return };
         let seg = line.seg;
-        waits_locked(EXCLUSIVE, || {
+        let woken = waits_locked(EXCLUSIVE, || {
             fair_locked(seg, line.e, limit(seg), |f| {
                 let Some(w) = queued(seg, t) else {
                     debug_assert!(false, "a waiter that took left the queue before its grant");
-                    return;
+                    return Seats::default();
                 };
                 // Pool full: a waiter left in no share is served by its seat, counted in none.
                 let _ = line.adopt(f);
                 let me = w.waiter();
                 w.active.store(0, Ordering::Release);
                 if me.share == 0 {
-                    dequeue_plain(line, t, w);
-                } else if let Some(at) = line.leave(f, me, true) {
+                    return dequeue_plain(&line, t, w);
+                }
+                let (at, woken) = line.leave(f, me, true);
+                if let Some(at) = at {
                     let waited = (now - w.since.load(Ordering::Relaxed)).max(0) as u64;
                     if let Some(n) = note(seg, at) {
                         n.granted(me.k, waited);
@@ -482,8 +493,10 @@ impl Cap {
                         self.record(slot).set_share(at.0);
                     }
                 }
+                woken
             })
-        })
+        });
+        wake(woken);
     }
 }
 
@@ -505,24 +518,23 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
     if queued(seg, t).is_none() {
         return;
     }
-    waits_locked(EXCLUSIVE, || {
+    let woken = waits_locked(EXCLUSIVE, || {
         let Some(w) = queued(seg, t) else {
-            return; // already left
+            return Seats::default(); // already left
         };
         let me = w.waiter();
         w.active.store(0, Ordering::Release);
         if me.share == 0 {
-            dequeue_plain(line, t, w);
+            dequeue_plain(&line, t, w)
         } else {
-            fair_locked(seg, line.e, limit(seg), |f| {
-                line.leave(f, me, false);
-            });
+            fair_locked(seg, line.e, limit(seg), |f| line.leave(f, me, false).1)
         }
     });
+    wake(woken);
 }
 
-fn dequeue_plain(line: Line, t: Ticket, w: &WaiterRecord) {
-    waitq::leave_locked(line.seg, line.e, line.entry, t, w);
+fn dequeue_plain(line: &Line, t: Ticket, w: &WaiterRecord) -> Seats {
+    waitq::leave_locked(line.seg, line.e, line.entry, t, w)
 }
 
 /// A live share of a cap, as the views show it.

@@ -156,27 +156,26 @@ pub(super) fn fill(
 /// With the waits lock held exclusively: the waiter holding `t` (its record `w`, made
 /// inactive by the caller), of a cap without shares, leaves the queue of the cap in entry
 /// `entry` (`shares::dequeue` is the entry point; no pin needed: a cap with waiters is never
-/// reclaimed). If `t` had a front seat, the seats behind it move up, the next waiter is
-/// seated, and the seats that may take now are woken; the widest n of the queue is taken
-/// again if `t` may have been it.
+/// reclaimed). If `t` had a front seat, the seats behind it move up and the next waiter is
+/// seated; the widest n of the queue is taken again if `t` may have been it. Returns the
+/// seats that may take now, for the caller to wake once the lock is released.
 pub(super) fn leave_locked(
     seg: &'static Segment,
     e: &CapEntry,
     entry: u32,
     t: Ticket,
     w: &WaiterRecord,
-) {
+) -> Seats {
     let queued = queue_of(seg, entry).map(WaiterRecord::seated);
-    // Wakes only the seats that may take now, if `t` had one: the release that frees the
-    // others' slots wakes them (waking in vain would cost every hand-off a second context
-    // switch).
-    wake(e.line.leave(
+    // Only the seats that may take now, if `t` had one: the release that frees the others'
+    // slots wakes them (waking in vain would cost every hand-off a second context switch).
+    e.line.leave(
         &e.waiters,
         t.ticket,
         w.n.load(Ordering::Relaxed),
         queued,
         seg.block(e).1,
-    ));
+    )
 }
 
 /// The record of the waiter holding `t`, if it is still queued: under the waits lock, or by
