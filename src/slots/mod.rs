@@ -334,8 +334,16 @@ fn in_share(
         None => shares::resolve(check_name(name)?, None)?,
     };
     let now = session::statement_start();
-    if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, &call)? {
-        return Ok(Some(record(&cap, k, got)));
+    // A call that may wait, on a cap with waiters, goes in line at once. Its join seats the
+    // front in the order of service, so if its share is to be served first it is seated and
+    // takes at once, as `take_now` would have let it; if not (nearly every call while the cap
+    // is saturated), it is spared a step under the exclusive waits lock only to be refused.
+    let in_line_at_once =
+        !matches!(wait, Wait::No) && cap.waiters() > 0 && !waits_for_itself(&cap, n, k);
+    if !in_line_at_once {
+        if let Some(got) = shares::take_now(&cap, n, k, now, kind, gate, &call)? {
+            return Ok(Some(record(&cap, k, got)));
+        }
     }
     let again = || shares::take_now(&cap, n, k, now, kind, gate, &call);
     if let Some(got) = again_once_freed(&cap, k, again)? {
