@@ -580,17 +580,21 @@ pub fn shares_of(db: u32) -> Vec<ShareInfo> {
 }
 
 impl Cap {
+    /// The live share slot `slot` was taken in: None if none, `Some(None)` for the cap's
+    /// unnamed share, else its name. The caller holds the waits lock (either mode), or is the
+    /// postmaster, alone.
+    fn slot_share(&self, seg: &Segment, slot: u32) -> Option<Option<String>> {
+        let at = self.record(slot).share().checked_sub(1)? as usize;
+        stage_e_core::fair::live_shares(&self.entry().clock(), seg.share_records_shared())
+            .any(|(i, _)| i == at)
+            .then(|| seg.share_notes[at].name())
+    }
+
     /// The name of the share slot `slot` was taken in (None: none, or the unnamed share), for
     /// the holders view.
     pub fn share_of(&self, slot: u32) -> Option<String> {
-        let at = self.record(slot).share().checked_sub(1)? as usize;
         let seg = segment()?;
-        waits_locked(SHARED, || {
-            let live =
-                stage_e_core::fair::live_shares(&self.entry().clock(), seg.share_records_shared())
-                    .any(|(i, _)| i == at);
-            live.then(|| seg.share_notes[at].name()).flatten()
-        })
+        waits_locked(SHARED, || self.slot_share(seg, slot)).flatten()
     }
 }
 
@@ -600,16 +604,10 @@ impl Cap {
 impl Cap {
     /// The share lease slot `slot` counts in, for the lease file.
     pub(super) fn lease_share(&self, slot: u32) -> LeaseShare {
-        let (Some(at), Some(seg)) = (self.record(slot).share().checked_sub(1), segment()) else {
-            return LeaseShare::None;
-        };
-        let live =
-            stage_e_core::fair::live_shares(&self.entry().clock(), seg.share_records_shared())
-                .any(|(i, _)| i == at as usize);
-        match seg.share_notes[at as usize].name() {
-            _ if !live => LeaseShare::None,
-            Some(name) => LeaseShare::Named(name),
-            None => LeaseShare::Unnamed,
+        match segment().and_then(|seg| self.slot_share(seg, slot)) {
+            None => LeaseShare::None,
+            Some(None) => LeaseShare::Unnamed,
+            Some(Some(name)) => LeaseShare::Named(name),
         }
     }
 
