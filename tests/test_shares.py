@@ -159,6 +159,28 @@ def test_a_share_at_its_ceiling_is_passed_over_and_no_slot_stays_idle(connect):
     assert samples > 50 and longest < 5, (longest, samples)
 
 
+def test_a_waiting_call_whose_share_is_served_first_takes_a_free_slot_at_once(connect):
+    """n = 2; share H (max_slots 1) holds a slot and has a waiter passed over at its ceiling,
+    so slot 1 is free while the cap has a waiter. A call of share L that may wait 30 s goes in
+    line at once (it does not ask first whether it may take) and, its share served first, is
+    seated and takes slot 1 at once: pg_locks shows it holding slot 1 while H's waiter is
+    still queued."""
+    admin, observer = connect("admin"), connect("observer")
+    admin.execute("SELECT stage_e_share('first', 'H', 1, 1)")
+    holder = connect("H-holder")
+    assert one(holder, "SELECT stage_e_try_slot('first', 2, '0', 'H')") == 0
+    h = queue(connect, observer, "first", "H", 1, 2, "30 s")[0]
+    started = time.monotonic()
+    low = Waiter(connect("L"), "SELECT stage_e_try_slot('first', 2, '30 s', 'L')")
+    assert low.wait(10).result == 1, low.error
+    assert low.returned_at - started < 2, low.returned_at - started
+    assert cap_locks(observer, "first") == [(0, holder.info.backend_pid), (1, low.pid)]
+    assert waiting_in(observer, "first", "H") == 1 and not h.done.is_set()
+    assert shares(observer, "first") == [("H", 1, 1), ("L", 1, 0)]
+    assert one(holder, "SELECT stage_e_release('first', 0)") is True
+    assert h.wait(10).result == 0
+
+
 def test_an_idle_share_banks_no_credit(connect):
     """n = 1; share B is served alone for a while (B's backlog of 6), share A idle. When A's 3
     waiters come, A and B alternate (equal weights): A never takes 3 grants in a row for the
