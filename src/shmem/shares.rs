@@ -512,9 +512,9 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
         e: seg.entry(cap.entry),
         entry: cap.entry,
     };
-    // A waiter granted under the lock (`Cap::take_in_line`) has left already: its own record
-    // says so (tickets are never reused, so a record another waiter took since does not look
-    // like ours), and the exclusive lock is not taken again for nothing.
+    // A waiter granted (`Cap::take_in_line`, `Cap::granted_in_line`) has left already: its
+    // own record says so (tickets are never reused, so a record another waiter took since
+    // does not look like ours), and the exclusive lock is not taken again for nothing.
     if queued(seg, t).is_none() {
         return;
     }
