@@ -293,7 +293,7 @@ impl Line {
     /// The front seated again in the order of service (a grant or a release in a share moved
     /// it); returns the seats that may take now, for the caller to wake once the lock is
     /// released (a process woken while we hold the lock would run only to wait for it).
-    fn reseat(&self, f: &Fair) -> Seats {
+    fn reseat(&self, f: &mut Fair) -> Seats {
         if f.waiting() == 0 {
             return Seats::default();
         }
@@ -393,11 +393,17 @@ impl Cap {
                     n.set(name);
                 }
                 let w = &seg.waiters[record as usize];
+                let front = line.e.line.front();
                 let ticket = line.e.line.join_in_order(&line.e.waiters, |ticket| {
                     fill(w, line.entry, n, k, since, ticket, share.digest);
                     let joined = f.join(share, ticket, k);
                     debug_assert!(joined.is_ok(), "admitted, yet refused: {joined:?}");
-                    f.seats(line.queue().iter().copied())
+                    // Behind every seat, and of an n the front knows: the seats stand, and
+                    // the queue is not walked (`Fair::join`).
+                    if joined == Ok(false) && n <= front.widest() {
+                        return None;
+                    }
+                    Some(f.seats(line.queue().iter().copied()))
                 });
                 Ok(Some(Ticket { record, ticket }))
             })
@@ -534,6 +540,13 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
 }
 
 fn dequeue_plain(line: &Line, t: Ticket, w: &WaiterRecord) -> Seats {
+    // The front is seated by the front's own rules here, not the fair order: a cutoff kept
+    // would let a join leave it as it is (`Fair::join`).
+    let (before, mut clock) = (line.e.clock(), line.e.clock());
+    clock.forget_cutoff();
+    if clock != before {
+        line.e.set_clock(clock);
+    }
     waitq::leave_locked(line.seg, line.e, line.entry, t, w)
 }
 

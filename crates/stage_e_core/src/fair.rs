@@ -115,7 +115,22 @@ pub struct Clock {
     waiting: u32,
     /// The cap's first share record in the pool, plus one (0: none).
     first: u32,
+    /// While the front is full in the order of service: the last seat's start tag less `V`,
+    /// plus one; 0 when it is not, or not known ([`Fair::join`]).
+    cutoff: u32,
 }
+
+/// How [`Clock::pack`] shares its second word: the count of waiters (at most a backend each:
+/// `MAX_BACKENDS` is 2^18 - 1), the cutoff, and the first record (the pool has at most 2^20
+/// records, so an index plus one fits in 21 bits) in the top bits, so that a reader without
+/// the lock sees from them alone whether the cap has shares.
+const WAITING_BITS: u32 = 19;
+const CUTOFF_BITS: u32 = 24;
+const FIRST_SHIFT: u32 = WAITING_BITS + CUTOFF_BITS;
+const _: () = assert!(64 - FIRST_SHIFT >= 21);
+
+/// The largest cutoff kept (a front further ahead of `V` than 23 slots of weight 1 keeps none).
+const CUTOFF_MAX: u64 = (1 << CUTOFF_BITS) - 1;
 
 /// One live share of a cap (zeroed memory: empty). 48 bytes.
 #[repr(C)]
@@ -142,21 +157,34 @@ impl Clock {
     /// The clock as two words, for shared memory that keeps it in atomics (written only under
     /// the queue lock; [`Clock::unpack`] reads it back).
     pub fn pack(&self) -> [u64; 2] {
-        [self.v, self.waiting as u64 | (self.first as u64) << 32]
+        debug_assert!(self.waiting < 1 << WAITING_BITS);
+        [
+            self.v,
+            self.waiting as u64
+                | (self.cutoff as u64) << WAITING_BITS
+                | (self.first as u64) << FIRST_SHIFT,
+        ]
     }
 
     pub fn unpack(words: [u64; 2]) -> Self {
         Clock {
             v: words[0],
-            waiting: words[1] as u32,
-            first: (words[1] >> 32) as u32,
+            waiting: (words[1] & ((1 << WAITING_BITS) - 1)) as u32,
+            cutoff: ((words[1] >> WAITING_BITS) & CUTOFF_MAX) as u32,
+            first: (words[1] >> FIRST_SHIFT) as u32,
         }
     }
 
     /// Whether the cap has a chain of share records, from its second word alone: a reader
     /// without the queue lock may look (a cap without shares keeps its path unchanged).
     pub fn has_shares(second_word: u64) -> bool {
-        second_word >> 32 != 0
+        second_word >> FIRST_SHIFT != 0
+    }
+
+    /// The front, if seated outside the fair queue's order (a waiter in no share left it by
+    /// the front's own rules), keeps no cutoff.
+    pub fn forget_cutoff(&mut self) {
+        self.cutoff = 0;
     }
 }
 
@@ -400,9 +428,7 @@ impl<'a> Fair<'a> {
                 i
             }
         };
-        let r = &mut self.shares[i];
-        r.weight = share.weight;
-        r.ceiling = share.ceiling;
+        self.set_policy(i, share);
         Ok(i)
     }
 
@@ -412,9 +438,20 @@ impl<'a> Fair<'a> {
     pub fn refresh(&mut self, share: Share) {
         if Self::check(share, 1).is_ok() {
             if let Some(i) = self.find(share.digest) {
-                let r = &mut self.shares[i];
-                (r.weight, r.ceiling) = (share.weight, share.ceiling);
+                self.set_policy(i, share);
             }
+        }
+    }
+
+    /// Record `i` takes `share`'s policy; a change to a share with waiters may reorder them.
+    fn set_policy(&mut self, i: usize, share: Share) {
+        let r = &mut self.shares[i];
+        if (r.weight, r.ceiling) != (share.weight, share.ceiling) {
+            if r.waiting > 0 {
+                self.clock.cutoff = 0;
+            }
+            let r = &mut self.shares[i];
+            (r.weight, r.ceiling) = (share.weight, share.ceiling);
         }
     }
 
@@ -483,17 +520,30 @@ impl<'a> Fair<'a> {
 
     /// A call of `share` waits for `k` slots with `ticket` (tickets rise in arrival order). It
     /// is the share's head if the share had no waiter. Its tag is taken when it is compared.
-    pub fn join(&mut self, share: Share, ticket: u64, k: u32) -> Result<(), Refused> {
+    ///
+    /// Returns whether the front may have changed: false when the front is full in the order
+    /// of service (its cutoff known, [`Fair::seats`]) and the joiner can start no earlier than
+    /// the last seat. It starts at `max(V, F)` at the earliest, plus at least one slot's cost
+    /// for each waiter of its share ahead of it; tags only grow along the order, and on a tie
+    /// the joiner, whose ticket is the newest, comes last. Then the seats stand, and the
+    /// caller need not walk the queue to seat them again.
+    pub fn join(&mut self, share: Share, ticket: u64, k: u32) -> Result<bool, Refused> {
         Self::check(share, k)?;
         let i = self.record(share)?;
+        let v = self.clock.v;
         let r = &mut self.shares[i];
+        let earliest = r.finish.saturating_sub(v) + r.waiting as u64 * cost(1, r.weight);
+        let behind = self.clock.cutoff != 0 && earliest >= self.clock.cutoff as u64 - 1;
         if r.waiting == 0 {
             r.head = ticket;
             r.head_k = k;
         }
         r.waiting += 1;
         self.clock.waiting += 1;
-        Ok(())
+        if !behind {
+            self.clock.cutoff = 0;
+        }
+        Ok(!behind)
     }
 
     /// The first eligible head: of the shares whose head fits under their ceiling, the smallest
@@ -531,11 +581,20 @@ impl<'a> Fair<'a> {
     where
         I: IntoIterator<Item = Waiter> + Clone,
     {
+        self.project(queue, out).0
+    }
+
+    /// [`Fair::order`], and the start tag of the last place projected.
+    fn project<I>(&self, queue: I, out: &mut [Waiter]) -> (usize, u64)
+    where
+        I: IntoIterator<Item = Waiter> + Clone,
+    {
         // (record, finish, held, waiting, head, head_k) of each share a projected grant moved.
         let mut moved = [(usize::MAX, 0u64, 0u32, 0u32, 0u64, 0u32); ORDER_MAX];
         let mut touched = 0;
         let mut v = self.clock.v;
         let mut len = 0;
+        let mut last = v;
         while len < out.len().min(ORDER_MAX) {
             let view = |i: usize| {
                 let r = &self.shares[i];
@@ -569,6 +628,7 @@ impl<'a> Fair<'a> {
             // Granted: charged, holding, its next waiter by ticket is its head.
             let s = v.max(finish);
             v = s;
+            last = s;
             let next = queue
                 .clone()
                 .into_iter()
@@ -590,13 +650,14 @@ impl<'a> Fair<'a> {
                 }
             }
         }
-        len
+        (len, last)
     }
 
     /// The front of a cap with shares: the first [`crate::front::FRONT`] waiters of `queue`
     /// (each with its share's digest, in any order) in the order of service ([`Fair::order`]),
-    /// and the widest n of them all, for `queue::WaitLine::join_in_order` and its kin.
-    pub fn seats<I>(&self, queue: I) -> (Seats, u32)
+    /// and the widest n of them all, for `queue::WaitLine::join_in_order` and its kin. A full
+    /// front keeps its last seat's tag, for [`Fair::join`] to compare a newcomer's with.
+    pub fn seats<I>(&mut self, queue: I) -> (Seats, u32)
     where
         I: IntoIterator<Item = (Seated, u64)> + Clone,
         I::IntoIter: Clone,
@@ -611,7 +672,7 @@ impl<'a> Fair<'a> {
             ticket: 0,
             k: 0,
         }; FRONT];
-        let len = self.order(queue.clone().into_iter().map(as_waiter), &mut order);
+        let (len, last) = self.project(queue.clone().into_iter().map(as_waiter), &mut order);
         let widest = queue
             .clone()
             .into_iter()
@@ -627,7 +688,13 @@ impl<'a> Fair<'a> {
                     .find(|(s, _)| s.ticket == w.ticket)
                     .map(|(s, _)| s)
             })
-            .collect();
+            .collect::<Seats>();
+        let ahead = last - self.clock.v;
+        self.clock.cutoff = if seats.len() == FRONT && ahead < CUTOFF_MAX {
+            ahead as u32 + 1
+        } else {
+            0
+        };
         (seats, widest)
     }
 
@@ -690,12 +757,16 @@ impl<'a> Fair<'a> {
         debug_assert!(r.held >= k);
         r.held = r.held.saturating_sub(k);
         let moved = r.waiting > 0 && r.ceiling != NO_CEILING;
+        if moved {
+            self.clock.cutoff = 0;
+        }
         self.forget_if_empty(i);
         moved
     }
 
     /// A grant of `k` slots to share `i`: `S = max(V, F)`, `F = S + k/w`, `V = S`.
     fn charge(&mut self, i: usize, k: u32) {
+        self.clock.cutoff = 0; // the front is seated again after a grant
         if self.clock.v >= REBASE_AT {
             self.rebase();
         }
@@ -723,6 +794,7 @@ impl<'a> Fair<'a> {
 
     /// A waiter of share `i` with `ticket` left the queue (served or not).
     fn dequeue(&mut self, i: usize, ticket: u64, queue: impl IntoIterator<Item = Waiter>) {
+        self.clock.cutoff = 0; // the front is seated again after a waiter leaves
         let r = &mut self.shares[i];
         debug_assert!(r.waiting > 0 && self.clock.waiting > 0);
         r.waiting = r.waiting.saturating_sub(1);
@@ -864,9 +936,9 @@ impl Shares {
 }
 
 // Layout, for shared memory: a share's state costs 48 bytes (the server keeps an 80-byte note of
-// its name and counts beside it, for the views: 128 in all), a cap's clock 16.
+// its name and counts beside it, for the views: 128 in all), a cap's clock 16 (`Clock::pack`).
 const _: () = assert!(size_of::<ShareRecord>() == 48 && size_of::<ShareRecord>() <= 64);
-const _: () = assert!(size_of::<Clock>() == 16 && size_of::<PoolHead>() == 8);
+const _: () = assert!(size_of::<PoolHead>() == 8);
 
 #[cfg(test)]
 mod line;

@@ -108,16 +108,18 @@ impl WaitLine {
     /// A cap with shares (`fair`), under the queue lock: as [`WaitLine::join`], but `record`
     /// (which writes the caller's waiter record and enters it in the cap's fair queue) returns
     /// the front in the order of service (`fair::Fair::order`) and the widest n of the queue,
-    /// which are seated before the count shows the waiter. The waiter must then check
-    /// [`WaitLine::may_take`] before it sleeps.
+    /// which are seated before the count shows the waiter; or None when they stand as they are
+    /// (the waiter comes after every seat, and its n is within the widest). The waiter must
+    /// then check [`WaitLine::may_take`] before it sleeps.
     pub fn join_in_order(
         &self,
         waiters: &Waiters,
-        record: impl FnOnce(u64) -> (Seats, u32),
+        record: impl FnOnce(u64) -> Option<(Seats, u32)>,
     ) -> u64 {
         self.enter(waiters, |ticket, front| {
-            let (order, widest) = record(ticket);
-            front.seat_in_order(&order, widest);
+            if let Some((order, widest)) = record(ticket) {
+                front.seat_in_order(&order, widest);
+            }
         })
     }
 

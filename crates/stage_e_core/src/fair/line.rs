@@ -40,7 +40,7 @@ impl Locked {
 
     /// The front in the order of service, and the widest n.
     fn seats(&mut self) -> (Seats, u32) {
-        let f = Fair::new(&mut self.clock, self.table.pool());
+        let mut f = Fair::new(&mut self.clock, self.table.pool());
         f.seats(self.queue.iter().copied())
     }
 
@@ -140,8 +140,11 @@ impl Line {
                     k: 1,
                 };
                 l.queue.push((seated, sh.digest));
-                l.fair().join(sh, ticket, 1).unwrap();
-                l.seats()
+                // Behind every seat (and of the cap's one n): the seats stand.
+                if !l.fair().join(sh, ticket, 1).unwrap() {
+                    return None;
+                }
+                Some(l.seats())
             });
         });
         Err(ticket)

@@ -295,6 +295,11 @@ pub(super) struct Sim {
     /// The shares with an eligible head, since when.
     backlogs: BTreeMap<u64, Backlog>,
     stretches: BTreeMap<u64, Stretch>,
+    /// The front as last seated (its tickets), as the server keeps it: seated again only after
+    /// a step that forgot the cutoff ([`Sim::check_front`]).
+    front: Vec<u64>,
+    /// Joins that left the front as it stood, and all joins.
+    pub(super) joins_behind: (u64, u64),
 }
 
 pub(super) fn share(digest: u64, weight: u32, ceiling: u32) -> Share {
@@ -321,6 +326,37 @@ impl Sim {
             slots: BTreeMap::new(),
             backlogs: BTreeMap::new(),
             stretches: BTreeMap::new(),
+            front: Vec::new(),
+            joins_behind: (0, 0),
+        }
+    }
+
+    /// The front in the order of service, as the server seats it (one n: 0 stands for all).
+    fn seats(clock: &mut Clock, table: &mut Shares, queue: &[Waiter]) -> Vec<u64> {
+        let queue = queue.iter().map(|w| {
+            let seat = crate::front::Seated {
+                process: 0,
+                ticket: w.ticket,
+                n: 0,
+                k: w.k,
+            };
+            (seat, w.share)
+        });
+        let (seats, _) = Fair::new(clock, table.pool()).seats(queue);
+        seats.iter().map(|s| s.ticket).collect()
+    }
+
+    /// After every step: while the clock keeps a cutoff (no step since the front was seated
+    /// forgot it: a join behind every seat, a release that cannot move the order), the front
+    /// seated then is still the first of the order of service; else it is seated again, as the
+    /// server does.
+    fn check_front(&mut self) {
+        if self.clock.cutoff != 0 {
+            let (mut clock, mut table) = (self.clock, self.table.clone());
+            let now = Self::seats(&mut clock, &mut table, &self.queue);
+            assert_eq!(now, self.front, "a front kept by its cutoff");
+        } else {
+            self.front = Self::seats(&mut self.clock, &mut self.table, &self.queue);
         }
     }
 
@@ -380,7 +416,9 @@ impl Sim {
         self.tickets += 1;
         // The tables here hold every share: a table that fills up forgives debts, which the
         // reference (no bound) does not (`a_full_table_forgives_the_least_debt_then_refuses`).
-        self.fair().join(sh, ticket, k).unwrap();
+        let moved = self.fair().join(sh, ticket, k).unwrap();
+        self.joins_behind.0 += !moved as u64;
+        self.joins_behind.1 += 1;
         self.reference.join(sh, ticket, k);
         if let Some(t) = &mut self.textbook {
             t.join(sh, ticket, k);
@@ -560,6 +598,7 @@ impl Sim {
     /// After each step: the implementation's state is the reference's, and no slot is
     /// idle while a waiter that may use it waits.
     pub(super) fn check(&mut self) {
+        self.check_front();
         let free = self.free();
         let r = &self.reference;
         let f = Fair::new(&mut self.clock, self.table.pool());
@@ -615,7 +654,7 @@ impl Sim {
 
 /// One random scenario: arrivals of random shares (weights, ceilings, k), tries, releases
 /// and cancellations, then a drain in which everyone still queued must be served.
-pub(super) fn scenario(seed: u64) -> usize {
+pub(super) fn scenario(seed: u64) -> (usize, (u64, u64)) {
     let mut rng = Rng(seed);
     let n = rng.range(1, 6);
     let ceilings = rng.chance(60);
@@ -675,17 +714,23 @@ pub(super) fn scenario(seed: u64) -> usize {
         (Clock::default(), 0),
         "every record freed"
     );
-    grants
+    (grants, sim.joins_behind)
 }
 
 /// The model test: thousands of random scenarios, each decision the reference's (and the
 /// textbook SFQ's where it applies), SFQ's bound, the wait bound, work conservation, no
-/// credit for idle shares, and everyone served in the end.
+/// credit for idle shares, everyone served in the end, and a front kept by its cutoff the one
+/// seated again would be (many joins keep it).
 #[test]
 pub(super) fn random_scenarios_agree_with_the_reference_and_keep_the_bounds() {
-    let mut grants = 0;
+    let (mut grants, mut behind, mut joins) = (0, 0, 0);
     for seed in 0..4000 {
-        grants += scenario(seed);
+        let (g, (b, j)) = scenario(seed);
+        (grants, behind, joins) = (grants + g, behind + b, joins + j);
     }
     assert!(grants > 200_000, "{grants}");
+    assert!(
+        behind * 10 > joins,
+        "{behind} of {joins} joins kept the front"
+    );
 }

@@ -162,8 +162,9 @@ fn clock_and_pool_head_pack_into_words_and_back() {
     assert_eq!(PoolHead::unpack(edge.pack()), edge);
     let edge = Clock {
         v: u64::MAX,
-        waiting: u32::MAX,
-        first: 1,
+        waiting: (1 << WAITING_BITS) - 1,
+        cutoff: CUTOFF_MAX as u32,
+        first: (1 << 21) - 1,
     };
     assert_eq!(Clock::unpack(edge.pack()), edge);
     // The views' reading of the chain: both shares, their policy and counts.

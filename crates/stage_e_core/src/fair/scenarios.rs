@@ -468,3 +468,41 @@ fn weights_ks_and_digests_out_of_range_are_refused() {
     }
     assert_eq!(fair.live(), 0);
 }
+
+/// A front kept by its cutoff (`Fair::join` leaves it when the joiner comes after every
+/// seat) is seated again once a waiting share's policy changes: the new weight reorders the
+/// front, so a join that would have been behind it must not leave it as it stood.
+#[test]
+fn a_policy_change_of_a_waiting_share_forgets_the_cutoff() {
+    let mut clock = Clock::default();
+    let mut table = Shares::new(4);
+    let mut fair = Fair::new(&mut clock, table.pool());
+    let mut queue = Vec::new();
+    let join = |fair: &mut Fair, sh: Share, queue: &mut Vec<_>| {
+        let ticket = queue.len() as u64;
+        let seat = crate::front::Seated {
+            process: 0,
+            ticket,
+            n: 4,
+            k: 1,
+        };
+        queue.push((seat, sh.digest));
+        fair.join(sh, ticket, 1).unwrap()
+    };
+    let front = |fair: &mut Fair, queue: &Vec<_>| -> Vec<u64> {
+        let (seats, _) = fair.seats(queue.iter().copied());
+        seats.iter().map(|s| s.ticket).collect()
+    };
+    let (a, b) = (share(A, 1, NO_CEILING), share(B, 1, NO_CEILING));
+    for sh in [a, a, a, b, b] {
+        join(&mut fair, sh, &mut queue);
+    }
+    assert_eq!(front(&mut fair, &queue), [0, 3, 1, 4]);
+    // A's fourth waiter starts three slots after V at the earliest, the last seat one after.
+    assert!(!join(&mut fair, a, &mut queue), "behind every seat");
+    assert_eq!(front(&mut fair, &queue), [0, 3, 1, 4], "the front stood");
+    // B weighs 16 now: its two waiters cost a sixteenth of a slot each, ahead of A's second.
+    fair.refresh(share(B, 16, NO_CEILING));
+    assert!(join(&mut fair, a, &mut queue), "the front may have moved");
+    assert_eq!(front(&mut fair, &queue), [0, 3, 4, 1]);
+}
