@@ -252,9 +252,12 @@ impl Line {
     /// The cap's waiters (each with its share's digest), read once for a step: one walk of
     /// every backend's waiter record, where the fair order would walk them once per seat.
     fn queue(&self) -> Vec<(Seated, u64)> {
-        queue_of(self.seg, self.entry)
-            .map(|w| (w.seated(), w.share.load(Ordering::Relaxed)))
-            .collect()
+        // Sized once (the count is exact under the lock, plus a joiner's own record).
+        let mut queue = Vec::with_capacity(self.e.waiters.count() as usize + 1);
+        queue.extend(
+            queue_of(self.seg, self.entry).map(|w| (w.seated(), w.share.load(Ordering::Relaxed))),
+        );
+        queue
     }
 
     /// Waiters that joined without a share (before the cap had shares, or racing its first)
