@@ -545,7 +545,8 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
 fn dequeue_plain(line: &Line, t: Ticket, w: &WaiterRecord) -> Seats {
     // The front is seated by the front's own rules here, not the fair order: a cutoff kept
     // would let a join leave it as it is (`Fair::join`).
-    let (before, mut clock) = (line.e.clock(), line.e.clock());
+    let before = line.e.clock();
+    let mut clock = before;
     clock.forget_cutoff();
     if clock != before {
         line.e.set_clock(clock);

@@ -13,7 +13,7 @@
 //! (`line_model`).
 
 use super::*;
-use crate::front::Seated;
+use crate::front::{Seated, Seats};
 use crate::occupancy;
 use crate::queue::{WaitLine, Waiters};
 use crate::sync::AtomicU64;

@@ -4,6 +4,7 @@
 
 use super::line::{Line, Locked, Server};
 use super::*;
+use crate::front::Seats;
 use crate::sync::{Ordering, SpinLock};
 use loom::sync::Arc;
 use loom::thread;

@@ -4,6 +4,7 @@
 use super::line::{Line, Locked, Server};
 use super::model::share;
 use super::*;
+use crate::front::Seats;
 use crate::occupancy;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
