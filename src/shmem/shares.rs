@@ -448,6 +448,7 @@ impl Cap {
                 if got.is_some() {
                     w.active.store(0, Ordering::Release);
                     if me.share == 0 {
+                        f.forget_cutoff();
                         woken = dequeue_plain(&line, t, w);
                     } else {
                         let at;
@@ -490,6 +491,7 @@ impl Cap {
                 let me = w.waiter();
                 w.active.store(0, Ordering::Release);
                 if me.share == 0 {
+                    f.forget_cutoff();
                     return dequeue_plain(&line, t, w);
                 }
                 let (at, woken) = line.leave(f, me, true);
@@ -534,6 +536,14 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
         let me = w.waiter();
         w.active.store(0, Ordering::Release);
         if me.share == 0 {
+            // Outside a step of the fair queue: the entry's own clock (written only when it
+            // has a cutoff, which a cap without shares never has).
+            let before = line.e.clock();
+            let mut clock = before;
+            clock.forget_cutoff();
+            if clock != before {
+                line.e.set_clock(clock);
+            }
             dequeue_plain(&line, t, w)
         } else {
             fair_locked(seg, line.e, limit(seg), |f| line.leave(f, me, false).1)
@@ -542,15 +552,10 @@ pub fn dequeue(cap: CapRef, t: Ticket) {
     wake(woken);
 }
 
+/// A waiter in no share leaves: the front is seated by its own rules, not the fair order, so
+/// the caller forgets the clock's cutoff (a cutoff kept would let a join leave that front as it
+/// is: `Fair::join`), through the clock it holds.
 fn dequeue_plain(line: &Line, t: Ticket, w: &WaiterRecord) -> Seats {
-    // The front is seated by the front's own rules here, not the fair order: a cutoff kept
-    // would let a join leave it as it is (`Fair::join`).
-    let before = line.e.clock();
-    let mut clock = before;
-    clock.forget_cutoff();
-    if clock != before {
-        line.e.set_clock(clock);
-    }
     waitq::leave_locked(line.seg, line.e, line.entry, t, w)
 }
 

@@ -366,6 +366,11 @@ impl<'a> Fair<'a> {
         self.clock.waiting
     }
 
+    /// The front was seated outside the order of service ([`Clock::forget_cutoff`]).
+    pub fn forget_cutoff(&mut self) {
+        self.clock.forget_cutoff();
+    }
+
     /// Where share `digest`'s next request starts: `max(V, F)`, `V` if it has no record.
     pub fn start_of(&self, digest: u64) -> u64 {
         self.find(digest)
