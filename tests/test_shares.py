@@ -12,7 +12,7 @@ import time
 
 import psycopg
 import pytest
-from conftest import cap_locks, one
+from conftest import cap_locks, one, stats
 from pgcluster import Cluster, wait_for
 from psycopg import errors
 from test_waiting import Waiter
@@ -164,12 +164,15 @@ def test_a_waiting_call_whose_share_is_served_first_takes_a_free_slot_at_once(co
     so slot 1 is free while the cap has a waiter. A call of share L that may wait 30 s goes in
     line at once (it does not ask first whether it may take) and, its share served first, is
     seated and takes slot 1 at once: pg_locks shows it holding slot 1 while H's waiter is
-    still queued."""
+    still queued. It did not wait, so it is not counted as a wait (`waits`, and the wait
+    histogram's count with it): only H's waiter is."""
     admin, observer = connect("admin"), connect("observer")
     admin.execute("SELECT stage_e_share('first', 'H', 1, 1)")
     holder = connect("H-holder")
     assert one(holder, "SELECT stage_e_try_slot('first', 2, '0', 'H')") == 0
     h = queue(connect, observer, "first", "H", 1, 2, "30 s")[0]
+    wait_for(lambda: stats(observer, "first")["waits"] == 1, timeout=5,
+             what="H's waiter counted as a wait once its first look did not take")
     started = time.monotonic()
     low = Waiter(connect("L"), "SELECT stage_e_try_slot('first', 2, '30 s', 'L')")
     assert low.wait(10).result == 1, low.error
@@ -177,8 +180,14 @@ def test_a_waiting_call_whose_share_is_served_first_takes_a_free_slot_at_once(co
     assert cap_locks(observer, "first") == [(0, holder.info.backend_pid), (1, low.pid)]
     assert waiting_in(observer, "first", "H") == 1 and not h.done.is_set()
     assert shares(observer, "first") == [("H", 1, 1), ("L", 1, 0)]
+    counted = stats(observer, "first")
+    assert (counted["acquired"], counted["waits"]) == (2, 1), counted
     assert one(holder, "SELECT stage_e_release('first', 0)") is True
     assert h.wait(10).result == 0
+    counted = stats(observer, "first")
+    assert (counted["acquired"], counted["waits"], counted["wait_timeouts"]) == (3, 1, 0)
+    assert one(observer, "SELECT seconds_count FROM stage_e_histograms() "
+                         "WHERE cap = 'first' AND metric = 'wait'") == 1
 
 
 def test_an_idle_share_banks_no_credit(connect):

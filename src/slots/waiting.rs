@@ -104,7 +104,10 @@ pub(super) fn wait_in_line(
             .map_err(|r| super::shares::refused(r, s.share, k))?,
     }
     .ok_or(SlotError::NoWaiterRecord)?;
-    counters.bump(Counter::Waits, 1);
+    // Counted as a wait (`waits`, its time and histogram) only once its first look in line
+    // did not take: a call served at that look (on a cap with waiters, one that goes in line
+    // at once and whose turn it is) did not wait.
+    let mut waiting = false;
     let place = cap.at;
     drop(cap); // a waiter holds no pin while it sleeps (its cap is not reclaimed meanwhile)
                // Leaves the queue however this ends: returning, an ERROR unwinding, or (through the exit
@@ -138,14 +141,20 @@ pub(super) fn wait_in_line(
             if let Some(got) = got {
                 drop(queued); // moves the front up, and wakes whom the free slots cover
                 counters.bump(Counter::Acquired, k as u64);
-                let waited = waited();
-                counters.bump(Counter::WaitTime, waited);
-                cap.observe(Metric::Wait, waited);
+                if waiting {
+                    let waited = waited();
+                    counters.bump(Counter::WaitTime, waited);
+                    cap.observe(Metric::Wait, waited);
+                }
                 return Ok(Some(got));
             }
             // The rate refused (the slots were free): a timer for the instant it allows,
             // keeping this waiter's place (no later arrival takes the rate first).
             rate_wait = gate.and_then(|g| g.take_retry_after());
+        }
+        if !waiting {
+            waiting = true;
+            counters.bump(Counter::Waits, 1);
         }
         let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
         if left.is_some_and(|l| l.is_zero()) {
