@@ -7,7 +7,7 @@ use super::*;
 use crate::front::Seats;
 use crate::occupancy;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 struct Cap {
@@ -122,13 +122,22 @@ fn threads_through_the_fair_line_lose_no_wake_up_and_keep_the_ceilings() {
     let threads = 6;
     let cap = cap(2, threads);
     let waited = Arc::new(AtomicUsize::new(0));
+    // Every thread starts its rounds together: started one after the other, a thread could
+    // run all its rounds alone (the cap without waiters) before the next one began.
+    let start = Arc::new(Barrier::new(threads));
     let handles: Vec<_> = (1..=threads)
         .map(|me| {
-            let (cap, waited) = (cap.clone(), waited.clone());
+            let (cap, waited, start) = (cap.clone(), waited.clone(), start.clone());
             let sh = shares[(me - 1) % shares.len()];
             std::thread::spawn(move || {
                 cap.latches.lock().unwrap()[me] = Some(std::thread::current());
-                for round in 0..ROUNDS {
+                start.wait();
+                // The rounds go on (up to ten times as many) until the cap has had waiters:
+                // on a loaded machine the threads may still have run mostly one at a time.
+                for round in 0..ROUNDS * 10 {
+                    if round >= ROUNDS && waited.load(Ordering::Relaxed) > 100 {
+                        break;
+                    }
                     let patience = match round % 10 {
                         0 => None,
                         1 => Some(Duration::ZERO),
