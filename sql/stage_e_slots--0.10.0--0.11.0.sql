@@ -6,7 +6,8 @@
 -- fair queuing over the shares' weights, within each share's ceiling. stage_e_share(cap,
 -- share, weight, max_slots) sets a share's weight and ceiling (share '*': every other share
 -- of the cap), restricted as stage_e_rate_limit is, and keeps them in the new table
--- stage_e_share_policy. The view stage_e_shares shows the live shares; stage_e_slot_holders
+-- stage_e_share_policy (whose trigger makes a write by hand bind from its commit as well).
+-- The view stage_e_shares shows the live shares; stage_e_slot_holders
 -- and stage_e_slot_waiters gain share as their last column (their internal functions change
 -- shape, so both views are dropped and made again: a view of yours over either must be
 -- dropped first and made again after). Until a database is updated, the 0.11.0 library serves
@@ -34,6 +35,15 @@ COMMENT ON COLUMN stage_e_share_policy.max_slots IS
   'The most slots of the cap the share holds at once; NULL for no ceiling.';
 SELECT pg_catalog.pg_extension_config_dump('stage_e_share_policy', '');
 GRANT SELECT ON stage_e_share_policy TO PUBLIC;
+-- A write not made by stage_e_share (an UPDATE by hand, a restore's COPY, a TRUNCATE) moves
+-- the database's generation of share policies at its commit too: no session keeps a policy
+-- it read before.
+CREATE FUNCTION "stage_e_share_policy_written"() RETURNS trigger
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stage_e_share_policy_written_wrapper';
+CREATE TRIGGER stage_e_share_policy_written
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON stage_e_share_policy
+    FOR EACH STATEMENT EXECUTE FUNCTION stage_e_share_policy_written();
 
 CREATE FUNCTION "stage_e_try_slot"(
 	"cap" TEXT,

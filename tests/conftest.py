@@ -187,9 +187,11 @@ FUNCTION_SAMPLES = {
         "acts", ["'k'", "2", "2", "'10 ms'", "'t'"]),
 }
 
-# Every function (prokind 'f') that is a member of the extension: its name, its signature
-# (the name and argument types, as FUNCTION_SAMPLES keys it), how many arguments it takes and
-# how many of them have defaults. Every operator qualified: it runs under hostile search_paths.
+# Every function (prokind 'f') that is a member of the extension, but its trigger functions
+# (no statement can call them; test_hardening writes their tables instead): its name, its
+# signature (the name and argument types, as FUNCTION_SAMPLES keys it), how many arguments it
+# takes and how many of them have defaults. Every operator qualified: it runs under hostile
+# search_paths.
 EXTENSION_FUNCTIONS = """
 SELECT p.proname,
        pg_catalog.concat(p.proname, '(', pg_catalog.oidvectortypes(p.proargtypes), ')'),
@@ -201,6 +203,7 @@ SELECT p.proname,
    AND d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
  WHERE d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_extension'::pg_catalog.regclass
    AND d.deptype OPERATOR(pg_catalog.=) 'e' AND p.prokind OPERATOR(pg_catalog.=) 'f'
+   AND p.prorettype OPERATOR(pg_catalog.<>) 'pg_catalog.trigger'::pg_catalog.regtype
  ORDER BY 2
 """
 

@@ -303,6 +303,40 @@ def test_a_policy_binds_from_its_commit_in_every_session(connect):
                             "WHERE cap = 'txn' ORDER BY share").fetchall() == [("*", 2), ("A", 3)]
 
 
+def test_a_policy_written_by_hand_binds_from_its_commit_in_every_session(cluster, connect):
+    """The table's owner may write stage_e_share_policy itself, and a restore (pg_restore
+    --data-only into a live database) fills it with COPY: a session that has read the cap's
+    policies sees such a write from its commit, as it sees stage_e_share's (the table's
+    trigger), and the server's log names it. Not committed, or rolled back, it changes
+    nothing; stage_e_share's own write is logged once, as the call's."""
+    admin, user = connect("admin"), connect("user")
+    take = "SELECT stage_e_try_slot('byhand', 8, '0', 'A')"
+    assert [one(user, take) for _ in range(2)] == [0, 1]  # read: no policy, no ceiling
+    with admin.cursor().copy("COPY stage_e_share_policy FROM STDIN") as copy:
+        copy.write_row(("byhand", "A", 1, 3))
+    assert [one(user, take) for _ in range(2)] == [2, None]
+    admin.execute("UPDATE stage_e_share_policy SET max_slots = 4 WHERE cap = 'byhand'")
+    assert [one(user, take) for _ in range(2)] == [3, None]
+    try:
+        with admin.transaction():
+            admin.execute("DELETE FROM stage_e_share_policy WHERE cap = 'byhand'")
+            assert one(user, take) is None  # not committed yet
+            raise RuntimeError("roll back")
+    except RuntimeError:
+        pass
+    assert one(user, take) is None  # rolled back: still at most 4
+    admin.execute("TRUNCATE stage_e_share_policy")
+    assert one(user, take) == 4  # no ceiling again
+    admin.execute("SELECT stage_e_share('byhand', 'B', 2)")
+    log, dbname = cluster.log_text(), admin.info.dbname
+    wrote = {op: log.count(f'of database "{dbname}" ({op}), not through stage_e_share')
+             for op in ("INSERT", "UPDATE", "DELETE", "TRUNCATE")}
+    # The COPY, the UPDATE and the TRUNCATE; not the DELETE (rolled back), nor the INSERT of
+    # stage_e_share, whose own line says what it set.
+    assert wrote == {"INSERT": 1, "UPDATE": 1, "DELETE": 0, "TRUNCATE": 1}, wrote
+    assert log.count(f'share "B" of cap "byhand" of database "{dbname}" weight 2') == 1
+
+
 def test_stage_e_share_is_restricted(cluster, connect):
     """A role that is not a superuser nor the owner may not set a share's policy (42501), and
     may use shares."""

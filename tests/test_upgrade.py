@@ -61,6 +61,10 @@ UNION ALL
 SELECT 'dumped data ' || cfg::regclass::text || ' where ' || coalesce(cond, '-')
   FROM ext, unnest(ext.extconfig, ext.extcondition) AS u(cfg, cond)
 UNION ALL
+SELECT 'trigger ' || pg_get_triggerdef(t.oid)
+  FROM members m JOIN pg_trigger t ON m.classid = 'pg_class'::regclass AND t.tgrelid = m.objid
+ WHERE NOT t.tgisinternal
+UNION ALL
 SELECT 'member of another kind ' || m.classid::regclass::text
   FROM members m WHERE m.classid NOT IN ('pg_proc'::regclass, 'pg_class'::regclass,
                                          'pg_type'::regclass)

@@ -1,9 +1,11 @@
 -- Fair shares (0.11.0): a share's weight and ceiling on a cap, as stage_e_share sets them. A
 -- row for share '*' is the default of every share of the cap without a row of its own (the
 -- unnamed share of calls that name none included). Read by the acquisitions of the cap (each
--- backend keeps what it read until a stage_e_share of this database commits); written only
--- by stage_e_share, whose EXECUTE is revoked from PUBLIC: a share's policy binds every role
--- that uses the cap. Every statement of the extension names this table with its schema.
+-- backend keeps what it read until a write of this table commits); written by stage_e_share,
+-- whose EXECUTE is revoked from PUBLIC (a share's policy binds every role that uses the cap),
+-- or by its owner's own statements and a restore's COPY, which the trigger below makes bind
+-- from their commit as well. Every statement of the extension names this table with its
+-- schema.
 CREATE TABLE stage_e_share_policy (
     cap       text NOT NULL
               CHECK (pg_catalog.octet_length(cap) OPERATOR(pg_catalog.>=) 1
@@ -26,3 +28,9 @@ COMMENT ON COLUMN stage_e_share_policy.max_slots IS
 -- must find it empty).
 SELECT pg_catalog.pg_extension_config_dump('stage_e_share_policy', '');
 GRANT SELECT ON stage_e_share_policy TO PUBLIC;
+-- A write not made by stage_e_share (an UPDATE by hand, a restore's COPY, a TRUNCATE) moves
+-- the database's generation of share policies at its commit too: no session keeps a policy
+-- it read before.
+CREATE TRIGGER stage_e_share_policy_written
+    AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON stage_e_share_policy
+    FOR EACH STATEMENT EXECUTE FUNCTION stage_e_share_policy_written();

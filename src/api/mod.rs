@@ -158,7 +158,11 @@ fn to_micros(i: Interval) -> i64 {
 
 extension_sql_file!("../../sql/schema/counter_table.sql", name = "counter_table");
 
-extension_sql_file!("../../sql/schema/shares.sql", name = "share_policy_table");
+extension_sql_file!(
+    "../../sql/schema/shares.sql",
+    name = "share_policy_table",
+    requires = [shares::stage_e_share_policy_written],
+);
 
 extension_sql_file!(
     "../../sql/schema/views.sql",

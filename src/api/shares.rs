@@ -27,6 +27,19 @@ fn stage_e_share(
         .unwrap_or_else(|e| raise(e))
 }
 
+/// After every statement that writes `stage_e_share_policy` (the trigger of the same name):
+/// one not made by `stage_e_share` (an UPDATE or DELETE by the table's owner, a restore's
+/// COPY, a TRUNCATE) binds from its commit too, as `stage_e_share`'s write does.
+#[pg_trigger]
+fn stage_e_share_policy_written<'a>(
+    trigger: &'a PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, PgTriggerError> {
+    let op = trigger.op()?;
+    hooks::ensure(); // moves the database's generation of share policies at the commit
+    slots::shares::policy_written(&op.to_string());
+    Ok(None)
+}
+
 /// One row per live share of a cap of the current database. Behind the view `stage_e_shares`.
 #[pg_extern(volatile, parallel_unsafe)]
 #[allow(clippy::type_complexity)]
