@@ -337,6 +337,30 @@ def test_a_policy_written_by_hand_binds_from_its_commit_in_every_session(cluster
     assert log.count(f'share "B" of cap "byhand" of database "{dbname}" weight 2') == 1
 
 
+def test_a_restored_dump_keeps_the_policies_and_they_bind(cluster, connect, db):
+    """pg_dump | psql into a fresh database (the extension made by the dump's CREATE EXTENSION,
+    the table's trigger with it, not from the dump): the policy rows come back, written by the
+    restore's COPY, and bind there from the restore's commit."""
+    admin = connect("admin")
+    admin.execute("SELECT stage_e_share('dumped', '*', 1, 2)")
+    admin.execute("SELECT stage_e_share('dumped', 'A', 3, 1)")
+    rows = admin.execute("SELECT * FROM stage_e_share_policy ORDER BY share").fetchall()
+    dst = cluster.create_database(db + "_copy", extension=False)
+    conn = f"-h {cluster.base} -p {cluster.port} -U postgres"
+    out = cluster._run("bash", "-o", "pipefail", "-c",
+                       f"{cluster.bin}/pg_dump {conn} {db} | "
+                       f"{cluster.bin}/psql -X -q {conn} -1 -v ON_ERROR_STOP=1 -d {dst}",
+                       check=False)
+    assert out.returncode == 0, out.stderr
+    w = connect("w", dst)
+    assert w.execute("SELECT * FROM stage_e_share_policy ORDER BY share").fetchall() == rows
+    assert one(w, "SELECT count(*) FROM pg_trigger WHERE tgname = "
+                  "'stage_e_share_policy_written'") == 1
+    take = "SELECT stage_e_try_slot('dumped', 8, '0', %s)"
+    assert [one(w, take, ("A",)) for _ in range(2)] == [0, None]  # A's own row: 1
+    assert [one(w, take, ("B",)) for _ in range(3)] == [1, 2, None]  # '*': 2
+
+
 def test_stage_e_share_is_restricted(cluster, connect):
     """A role that is not a superuser nor the owner may not set a share's policy (42501), and
     may use shares."""
