@@ -3,7 +3,7 @@
 //! input, 53 for a full configuration limit, 55 for a missing prerequisite. The errors are data
 //! (`failures`), returned by every floor; the ereport plumbing is `report`, below.
 
-use crate::failures::{CapError, NamedError, Pool, SlotError};
+use crate::failures::{CapError, NameOf, NamedError, Pool, SlotError};
 use crate::flush::FlushError;
 use crate::gucs;
 use crate::report;
@@ -420,19 +420,37 @@ pub fn describe(e: &SlotError) -> Described {
                 .into(),
             Some("Use NULL for no ceiling.".into()),
         ),
-        SlotError::CapTooLongHere { len, encoding } => said(
+        SlotError::CapTooLongHere {
+            len,
+            encoding,
+            what,
+        } => said(
             ERRCODE_INVALID_PARAMETER_VALUE,
-            format!("cap name is too long in encoding {encoding} ({len} bytes)"),
             format!(
-                "A cap name is 1 to {MAX_NAME} bytes, counted in UTF-8 and in the database's \
-                 encoding ({encoding}), in which its counter row keeps it."
+                "{} name is too long in encoding {encoding} ({len} bytes)",
+                what.word()
+            ),
+            format!(
+                "A {} name is 1 to {MAX_NAME} bytes, counted in UTF-8 and in the database's \
+                 encoding ({encoding}), in which {} keeps it.",
+                what.word(),
+                match what {
+                    NameOf::Cap => "its counter row",
+                    NameOf::Share => "stage_e_share_policy",
+                }
             ),
             Some("Use a shorter name; a hash of a long key works (md5(key) is 32 bytes).".into()),
         ),
-        SlotError::CapNotUtf8 { at, bytes, len } => said(
+        SlotError::CapNotUtf8 {
+            at,
+            bytes,
+            len,
+            what,
+        } => said(
             ERRCODE_CHARACTER_NOT_IN_REPERTOIRE,
             format!(
-                "cap name is not valid UTF-8: invalid byte sequence {} at byte {}",
+                "{} name is not valid UTF-8: invalid byte sequence {} at byte {}",
+                what.word(),
                 bytes[..*len as usize]
                     .iter()
                     .map(|b| format!("0x{b:02x}"))
@@ -440,15 +458,23 @@ pub fn describe(e: &SlotError) -> Described {
                     .join(" "),
                 at + 1
             ),
-            "In a SQL_ASCII database, which keeps whatever bytes it is sent, a cap name is read \
-             as UTF-8, so that one name is one cap in every database of the server; nothing was \
-             taken or changed."
-                .into(),
-            Some(
-                "Send cap names in UTF-8 (client_encoding has no effect in a SQL_ASCII \
-                 database), or use names of ASCII characters only."
-                    .into(),
-            ),
+            match what {
+                NameOf::Cap => {
+                    "In a SQL_ASCII database, which keeps whatever bytes it is sent, a cap name \
+                     is read as UTF-8, so that one name is one cap in every database of the \
+                     server; nothing was taken or changed."
+                }
+                NameOf::Share => {
+                    "In a SQL_ASCII database, which keeps whatever bytes it is sent, a share \
+                     name is read as UTF-8, as a cap name is; nothing was taken or changed."
+                }
+            }
+            .into(),
+            Some(format!(
+                "Send {} names in UTF-8 (client_encoding has no effect in a SQL_ASCII \
+                 database), or use names of ASCII characters only.",
+                what.word()
+            )),
         ),
         SlotError::Named(e) => describe_named(&e.cap, &e.what),
     }

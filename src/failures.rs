@@ -5,6 +5,22 @@
 
 use stage_e_core::directory::NameError;
 
+/// Which name an argument is, for the words of an error about it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NameOf {
+    Cap,
+    Share,
+}
+
+impl NameOf {
+    pub fn word(self) -> &'static str {
+        match self {
+            NameOf::Cap => "cap",
+            NameOf::Share => "share",
+        }
+    }
+}
+
 #[derive(Debug, PartialEq)]
 pub enum SlotError {
     NotPreloaded,
@@ -98,18 +114,20 @@ pub enum SlotError {
     BadShareCeiling {
         ceiling: i32,
     },
-    /// A cap name of a SQL_ASCII database that is not UTF-8: the first bad `bytes`, `at` bytes
-    /// into the name.
+    /// A cap name (or a share name: `what`) of a SQL_ASCII database that is not UTF-8: the
+    /// first bad `bytes`, `at` bytes into the name.
     CapNotUtf8 {
         at: usize,
         bytes: [u8; 4],
         len: u8,
+        what: NameOf,
     },
-    /// A cap name that fits in UTF-8 but takes more than `MAX_NAME` bytes (`len`) in the
-    /// database's `encoding`, where the tables' cap columns hold it.
+    /// A cap name (or a share name: `what`) that fits in UTF-8 but takes more than `MAX_NAME`
+    /// bytes (`len`) in the database's `encoding`, where the tables' name columns hold it.
     CapTooLongHere {
         len: usize,
         encoding: &'static str,
+        what: NameOf,
     },
     /// The durable state of this database could not be loaded since the server started.
     NotLoaded,
@@ -124,6 +142,27 @@ pub enum SlotError {
     /// What went wrong with a cap by name. Boxed: the error path only, and the one variant that
     /// owns memory, so that every `Result` of the hot path is small and drops for free.
     Named(Box<Named>),
+}
+
+impl SlotError {
+    /// The same refusal of a name argument, said of a share name (the share arguments are read
+    /// as cap names are).
+    pub fn of_share(self) -> SlotError {
+        match self {
+            SlotError::CapNotUtf8 { at, bytes, len, .. } => SlotError::CapNotUtf8 {
+                at,
+                bytes,
+                len,
+                what: NameOf::Share,
+            },
+            SlotError::CapTooLongHere { len, encoding, .. } => SlotError::CapTooLongHere {
+                len,
+                encoding,
+                what: NameOf::Share,
+            },
+            other => other,
+        }
+    }
 }
 
 /// An error about one cap, by name.

@@ -19,7 +19,7 @@
 //! in every server encoding, so it is never converted; neither is anything in a UTF8 database
 //! (the encoding is read once per process): the cost there is one load and a compare.
 
-use crate::failures::SlotError;
+use crate::failures::{NameOf, SlotError};
 use pgrx::callconv::{BoxRet, FcInfo};
 use pgrx::pg_sys;
 use pgrx::{FromDatum, IntoDatum};
@@ -132,6 +132,7 @@ fn name_in_other(server: Server, bytes: &[u8]) -> Result<Cow<'_, str>, SlotError
                 return Err(SlotError::CapTooLongHere {
                     len: bytes.len(),
                     encoding: server_encoding_name(),
+                    what: NameOf::Cap,
                 });
             }
             Ok(Cow::Owned(utf8))
@@ -150,6 +151,7 @@ pub(crate) fn not_utf8(bytes: &[u8], e: std::str::Utf8Error) -> SlotError {
         at,
         bytes: seq,
         len: len as u8,
+        what: NameOf::Cap,
     }
 }
 

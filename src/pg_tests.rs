@@ -225,10 +225,10 @@ mod tests {
             // stage_e_histogram_quantiles_internal, 0.9.0 stage_e_adapt, stage_e_adapt_off and
             // stage_e_cap_limits_internal, 0.10.0 stage_e_try_rate, stage_e_rate_limit,
             // stage_e_rate_limit_off and stage_e_rate_limits_internal, 0.11.0 the share forms of
-            // stage_e_try_slot, stage_e_try_slots and stage_e_lease, stage_e_share and
-            // stage_e_shares_internal.
+            // stage_e_try_slot, stage_e_try_slots and stage_e_lease, stage_e_share,
+            // stage_e_shares_internal and the trigger function stage_e_share_policy_written.
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(39)
+            Some(40)
         );
         // stage_e_lease (both forms) returns its own row type, (slot integer, token bigint).
         assert_eq!(
@@ -244,6 +244,7 @@ mod tests {
     /// that are not UTF-8, and how it spells a schema name for a statement.
     #[pg_test]
     fn names_escape_report_and_quote_in_ascii() {
+        use crate::failures::NameOf;
         use crate::names::{escape_non_ascii, not_utf8, unicode_escaped_identifier};
         use crate::slots::SlotError;
         assert_eq!(escape_non_ascii("cap \"café\""), "cap \"caf\\u00E9\"");
@@ -255,7 +256,8 @@ mod tests {
             SlotError::CapNotUtf8 {
                 at: 3,
                 bytes: [0xe9, 0, 0, 0],
-                len: 1
+                len: 1,
+                what: NameOf::Cap,
             }
         );
         assert_eq!(
@@ -263,7 +265,8 @@ mod tests {
             SlotError::CapNotUtf8 {
                 at: 2,
                 bytes: [0xc3, 0, 0, 0],
-                len: 1
+                len: 1,
+                what: NameOf::Cap,
             }
         );
         assert_eq!(

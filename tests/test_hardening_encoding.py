@@ -1,4 +1,4 @@
-"""Cap names in any server encoding (hardening, issue 21).
+"""Cap names (and share names) in any server encoding (hardening, issue 21).
 
 A cap's name is UTF-8 inside the extension (shared memory, the lock key, the pending-counts and
 lease files are the server's, whatever each database's encoding), converted from and to the
@@ -335,6 +335,55 @@ def test_names_come_back_after_a_clean_restart_and_a_crash(opened, enc):
         c.destroy()
 
 
+def test_the_policies_of_non_ascii_caps_are_their_rows_and_bind_after_a_restart(opened):
+    """In a LATIN1 database, stage_e_adapt, stage_e_rate_limit and stage_e_share (and their
+    _off forms) write their cap's row in the database's encoding, as the flusher does: one
+    row per cap, named as the views name it, the learned limit written to it; so after a
+    restart, which loads the policies from the rows, they still bind those caps. (Before,
+    their statements sent the name's UTF-8 bytes: a second row under a garbled name, and after a
+    restart the caps were limited no more.)"""
+    c = Cluster("encoding_policies", SETTINGS).init().start()
+    try:
+        make_databases(c)
+        c.create_database("app")  # the restart helpers wait for it
+        enc, adapted, rated, shared = "LATIN1", NAME, "thé", "crème"
+        s = session(c, enc, opened)
+        s.execute("SELECT stage_e_adapt(%s, 1, 2, true)", (adapted,))
+        s.execute("SELECT stage_e_rate_limit(%s, 1, '1 h', 1)", (rated,))
+        s.execute("SELECT stage_e_share(%s, %s, 1, 1)", (shared, NAME))
+        s.execute("SELECT stage_e_rate_limit(%s, 5, '1 h', 5)", ("off",))
+        s.execute("SELECT stage_e_rate_limit_off(%s)", ("off",))
+        assert [one(s, "SELECT stage_e_try_slot(%s, 8)", (adapted,)) for _ in range(2)] == [
+            0, None]
+        assert [one(s, "SELECT stage_e_try_slot(%s, 8)", (rated,)) for _ in range(2)] == [
+            0, None]
+        assert one(s, "SELECT stage_e_release(%s, 0)", (adapted,)) is True
+        wait_for(lambda: s.execute(
+            "SELECT cap, adapt_min, adapt_max, adapt_limit IS NOT NULL, rate_count "
+            "FROM stage_e_throttle_counter ORDER BY cap").fetchall() == [
+                (adapted, 1, 2, True, None), ("off", None, None, False, None),
+                (rated, None, None, False, 1)],
+            what="one row per cap, with its policy and the learned limit")
+        assert s.execute("SELECT cap, share, max_slots FROM stage_e_share_policy").fetchall() \
+            == [(shared, NAME, 1)]
+        s.close()
+        clean_restart(c)
+        s = session(c, enc, opened)
+        assert [one(s, "SELECT stage_e_try_slot(%s, 8)", (adapted,)) for _ in range(2)] == [
+            0, None]
+        assert one(s, "SELECT stage_e_try_slot(%s, 8)", (rated,)) is None  # spent for an hour
+        take = "SELECT stage_e_try_slot(%s, 8, '0', %s)"
+        assert [one(s, take, (shared, NAME)) for _ in range(2)] == [0, None]  # its ceiling
+        s.execute("SELECT stage_e_adapt_off(%s)", (adapted,))
+        s.execute("SELECT stage_e_rate_limit_off(%s)", (rated,))
+        assert s.execute("SELECT count(*) FROM stage_e_throttle_counter WHERE adapt_min IS NOT "
+                         "NULL OR rate_count IS NOT NULL").fetchone()[0] == 0
+    finally:
+        for conn in opened:
+            conn.close()
+        c.destroy()
+
+
 # -- the extension's schema ----------------------------------------------------------------
 
 def test_a_schema_named_in_the_databases_encoding_is_found(ec, opened):
@@ -400,3 +449,74 @@ def test_a_name_must_fit_63_bytes_of_the_databases_encoding_too(ec, opened):
         u, "SELECT stage_e_cap_key(%s)", (c * 15,))
     wait_for(lambda: counter_row(s, c * 15) == (1, 0), what="the row of the 60-byte name")
     assert caps_of(s, "stage_e_stats()") == [c * 15]
+
+
+# -- share names (issue 38): the cap-name rules ----------------------------------------------
+
+@pytest.mark.parametrize("enc", ENCODINGS)
+def test_a_share_named_in_any_encoding_is_one_share_and_its_policy_binds(ec, opened, enc):
+    """A share name is read as a cap name is: in a LATIN1 and a SQL_ASCII database, 'café' as
+    stage_e_share writes it (its row, in the database's encoding) is the 'café' of the calls
+    (its ceiling of 1 binds them), and every view shows it as 'café'."""
+    fresh(ec, enc)
+    s, other = session(ec, enc, opened), session(ec, enc, opened, application_name="other")
+    s.execute("SELECT stage_e_share(%s, %s, 2, 1)", (NAME, NAME))
+    assert s.execute("SELECT cap, share, weight, max_slots FROM stage_e_share_policy"
+                     ).fetchall() == [(NAME, NAME, 2, 1)]
+    take = "SELECT stage_e_try_slot(%s, 3, '0', %s)"
+    assert one(s, take, (NAME, NAME)) == 0
+    assert one(other, take, (NAME, NAME)) is None  # its ceiling: 1
+    assert s.execute("SELECT cap, share, weight, max_slots, held FROM stage_e_shares"
+                     ).fetchall() == [(NAME, NAME, 2, 1, 1)]
+    assert s.execute("SELECT cap, slot, share FROM stage_e_slot_holders").fetchall() == [
+        (NAME, 0, NAME)]
+    got = {}
+    t = threading.Thread(target=lambda: got.update(
+        slot=one(other, "SELECT stage_e_try_slot(%s, 3, '20 s', %s)", (NAME, NAME))))
+    t.start()
+    wait_for(lambda: s.execute("SELECT cap, share FROM stage_e_slot_waiters").fetchall()
+             == [(NAME, NAME)], what="the waiter listed with its share")
+    assert one(s, "SELECT stage_e_release(%s, 0)", (NAME,)) is True
+    t.join(10)
+    assert not t.is_alive() and got == {"slot": 0}
+    assert one(other, "SELECT stage_e_release(%s, 0)", (NAME,)) is True
+
+
+def test_a_share_name_refused_for_its_encoding_is_said_to_be_the_shares(ec, opened):
+    """A share name that is not UTF-8 in a SQL_ASCII database, or takes more than 63 bytes in
+    the database's encoding (EUC_TW), is refused in words about the share, not the cap (whose
+    name is fine), class 22, and nothing changes."""
+    fresh(ec, "SQL_ASCII")
+    raw = session(ec, "SQL_ASCII", opened, client_encoding="SQL_ASCII")
+    for call in (b"SELECT stage_e_try_slot('k', 2, '0', %s)",
+                 b"SELECT stage_e_try_slots('k', 2, 1, '0', %s)",
+                 b"SELECT * FROM stage_e_lease('k', 2, '1 min', '0', %s)",
+                 b"SELECT stage_e_share('k', %s, 2)"):
+        with pytest.raises(errors.CharacterNotInRepertoire) as e:
+            raw.execute(call.replace(b"%s", BAD))
+        d = e.value.diag
+        assert d.message_primary == ("share name is not valid UTF-8: invalid byte sequence "
+                                     "0xe9 at byte 4"), call
+        assert "a share name is read as UTF-8, as a cap name is" in d.message_detail
+        assert d.message_hint.startswith("Send share names in UTF-8")
+    s = session(ec, "SQL_ASCII", opened)
+    assert caps_of(s, "stage_e_stats()") == []
+    assert one(s, "SELECT count(*)::int FROM stage_e_share_policy") == 0
+    u = session(ec, "UTF8", opened)
+    u.execute(FOUR_BYTES_IN_EUC_TW)
+    c = one(u, "SELECT pg_temp.four_bytes()")
+    ec.sql('DROP DATABASE IF EXISTS "e_euc_tw" WITH (FORCE)')
+    ec.sql("CREATE DATABASE e_euc_tw ENCODING 'EUC_TW' LC_COLLATE 'C' LC_CTYPE 'C' "
+           "TEMPLATE template0")
+    t = psycopg.connect(ec.conninfo("e_euc_tw") + " client_encoding=UTF8", autocommit=True)
+    opened.append(t)
+    t.execute("CREATE EXTENSION stage_e_slots")
+    for call in ("SELECT stage_e_try_slot('k', 2, '0', %s)", "SELECT stage_e_share('k', %s, 2)"):
+        with pytest.raises(errors.InvalidParameterValue) as e:
+            t.execute(call, (c * 16,))
+        d = e.value.diag
+        assert d.message_primary == "share name is too long in encoding EUC_TW (64 bytes)", call
+        assert "in which stage_e_share_policy keeps it" in d.message_detail
+    assert one(t, "SELECT count(*)::int FROM stage_e_share_policy") == 0
+    t.execute("SELECT stage_e_share('k', %s, 2)", (c * 15,))  # 60 bytes there: a row
+    assert one(t, "SELECT octet_length(share) FROM stage_e_share_policy") == 60

@@ -39,12 +39,32 @@ impl std::ops::Deref for CapArg<'_> {
     }
 }
 
+impl CapArg<'_> {
+    /// The argument as a share name: a name refused is said to be a share's (share names are
+    /// read as cap names are).
+    pub fn share_name(&self) -> &str {
+        match &self.0 {
+            Ok(name) => name,
+            Err(bytes) => refuse_share_name(bytes),
+        }
+    }
+}
+
 #[cold]
 #[inline(never)]
 fn refuse_name(bytes: &[u8]) -> ! {
     match names::name_in(bytes) {
         Err(e) => raise(e),
         Ok(_) => crate::report::raise_internal("a cap name refused once was accepted".into()),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn refuse_share_name(bytes: &[u8]) -> ! {
+    match names::name_in(bytes) {
+        Err(e) => raise(e.of_share()),
+        Ok(_) => crate::report::raise_internal("a share name refused once was accepted".into()),
     }
 }
 

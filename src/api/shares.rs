@@ -23,8 +23,8 @@ fn stage_e_share(
 ) {
     let _call = crate::report::calling("stage_e_share");
     hooks::ensure(); // moves the database's generation of share policies at the commit
-    slots::shares::set_policy(cap.as_deref(), share.as_deref(), weight, max_slots)
-        .unwrap_or_else(|e| raise(e))
+    let share = share.as_ref().map(CapArg::share_name);
+    slots::shares::set_policy(cap.as_deref(), share, weight, max_slots).unwrap_or_else(|e| raise(e))
 }
 
 /// After every statement that writes `stage_e_share_policy` (the trigger of the same name):

@@ -81,7 +81,8 @@ fn stage_e_try_slots_share(
 /// A `share` argument: NULL is class 22 (a call in no share omits the argument).
 pub(super) fn required_share<'a>(share: &'a Option<CapArg<'_>>) -> &'a str {
     share
-        .as_deref()
+        .as_ref()
+        .map(CapArg::share_name)
         .unwrap_or_else(|| raise(slots::SlotError::NullArgument { name: "share" }))
 }
 

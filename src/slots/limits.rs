@@ -14,7 +14,7 @@
 
 use super::{check_name, ready, SlotError};
 use crate::gucs;
-use crate::names::quoted;
+use crate::names::{quoted, Text};
 use crate::session;
 use crate::shmem::{self, PolicyChange, PolicyView};
 use crate::sql;
@@ -45,7 +45,7 @@ pub fn adapt(
     sql::write(
         &sql::adapt_write_query(&ext),
         &[
-            DatumWithOid::from(name),
+            Text(name.to_string()).into(),
             DatumWithOid::from(bounds.min as i32),
             DatumWithOid::from(bounds.max as i32),
             DatumWithOid::from(enforce),
@@ -79,8 +79,11 @@ pub fn adapt_off(cap: Option<&str>) -> Result<(), SlotError> {
     let Some(ext) = sql::extension() else {
         return Err(SlotError::NotLoaded);
     };
-    sql::write(&sql::adapt_off_query(&ext), &[DatumWithOid::from(name)])
-        .unwrap_or_else(|e| crate::report::fail(format!("stage_e_adapt_off: {e}")));
+    sql::write(
+        &sql::adapt_off_query(&ext),
+        &[Text(name.to_string()).into()],
+    )
+    .unwrap_or_else(|e| crate::report::fail(format!("stage_e_adapt_off: {e}")));
     let log = format!(
         "stage_e_slots: role {} returned cap {} of database {} to the callers' n alone \
          (stage_e_adapt_off)",
@@ -210,7 +213,7 @@ pub fn write_limits(ext: &sql::Extension) -> Result<Vec<shmem::ToWrite>, pgrx::s
     if limits.is_empty() {
         return Ok(limits);
     }
-    let caps: Vec<&str> = limits.iter().map(|l| l.cap.as_str()).collect();
+    let caps: Vec<Text> = limits.iter().map(|l| Text(l.cap.clone())).collect();
     let values: Vec<i32> = limits.iter().map(|l| l.limit as i32).collect();
     let baselines: Vec<Option<f64>> = limits.iter().map(|l| l.baseline_us).collect();
     sql::write(

@@ -14,7 +14,7 @@
 
 use super::{check_name, ready, SlotError};
 use crate::gucs;
-use crate::names::quoted;
+use crate::names::{quoted, Text};
 use crate::session;
 use crate::shmem::{self, Counter, NoRoom};
 use crate::sql;
@@ -96,7 +96,7 @@ pub fn rate_limit(
     sql::write(
         &sql::rate_write_query(&ext),
         &[
-            DatumWithOid::from(name),
+            Text(name.to_string()).into(),
             DatumWithOid::from(count),
             DatumWithOid::from(sql::interval_us((per / 1_000) as u64)),
             DatumWithOid::from(burst),
@@ -127,7 +127,7 @@ pub fn rate_limit_off(cap: Option<&str>) -> Result<(), SlotError> {
     let Some(ext) = sql::extension() else {
         return Err(SlotError::NotLoaded);
     };
-    sql::write(&sql::rate_off_query(&ext), &[DatumWithOid::from(name)])
+    sql::write(&sql::rate_off_query(&ext), &[Text(name.to_string()).into()])
         .unwrap_or_else(|e| crate::report::fail(format!("stage_e_rate_limit_off: {e}")));
     let log = format!(
         "stage_e_slots: role {} took the rate policy off {} of database {}",

@@ -149,7 +149,7 @@ fn read_policies(cap: &str) -> Result<CapPolicies, SlotError> {
         for r in c.select(
             &sql::share_policies_query(&ext),
             None,
-            &[DatumWithOid::from(cap)],
+            &[Text(cap.to_string()).into()],
         )? {
             let share = r.get::<Text>(1)?.unwrap_or_default().0;
             // Rows a superuser edited past the checks' bounds: the nearest valid ones.
@@ -196,8 +196,8 @@ pub fn set_policy(
     sql::write(
         &sql::share_write_query(&ext),
         &[
-            DatumWithOid::from(cap),
-            DatumWithOid::from(share),
+            Text(cap.to_string()).into(),
+            Text(share.to_string()).into(),
             DatumWithOid::from(weight),
             DatumWithOid::from(max_slots),
         ],
