@@ -264,18 +264,25 @@ CALLS = [
 ]
 
 
+def refused_not_utf8(raw, call, what):
+    """`call` with BAD as its `what` ("cap" or "share") name, on a SQL_ASCII session: refused
+    with 22021 in words about that name; returns the error's diagnostics."""
+    with pytest.raises(errors.CharacterNotInRepertoire) as e:
+        raw.execute(call.replace(b"%s", BAD))
+    d = e.value.diag
+    assert d.message_primary == (f"{what} name is not valid UTF-8: invalid byte sequence 0xe9 "
+                                 "at byte 4"), call
+    assert "nothing was taken or changed" in d.message_detail
+    assert d.message_hint.startswith(f"Send {what} names in UTF-8")
+    return d
+
+
 def test_bytes_that_are_not_utf8_are_refused_with_22021_in_sql_ascii(ec, opened):
     fresh(ec, "SQL_ASCII")
     raw = session(ec, "SQL_ASCII", opened, client_encoding="SQL_ASCII")
     for call in CALLS:
-        with pytest.raises(errors.CharacterNotInRepertoire) as e:
-            raw.execute(call.replace(b"%s", BAD))
-        d = e.value.diag
-        assert d.message_primary == ("cap name is not valid UTF-8: invalid byte sequence 0xe9 "
-                                     "at byte 4"), call
+        d = refused_not_utf8(raw, call, "cap")
         assert "a cap name is read as UTF-8" in d.message_detail
-        assert "nothing was taken or changed" in d.message_detail
-        assert d.message_hint.startswith("Send cap names in UTF-8")
         # Refused as the function reads the name (a name refused while the arguments were
         # converted named no function): LOCATION names the one called (issue 35).
         function = call.split(b"(")[0].split()[-1].decode()
@@ -492,13 +499,8 @@ def test_a_share_name_refused_for_its_encoding_is_said_to_be_the_shares(ec, open
                  b"SELECT stage_e_try_slots('k', 2, 1, '0', %s)",
                  b"SELECT * FROM stage_e_lease('k', 2, '1 min', '0', %s)",
                  b"SELECT stage_e_share('k', %s, 2)"):
-        with pytest.raises(errors.CharacterNotInRepertoire) as e:
-            raw.execute(call.replace(b"%s", BAD))
-        d = e.value.diag
-        assert d.message_primary == ("share name is not valid UTF-8: invalid byte sequence "
-                                     "0xe9 at byte 4"), call
+        d = refused_not_utf8(raw, call, "share")
         assert "a share name is read as UTF-8, as a cap name is" in d.message_detail
-        assert d.message_hint.startswith("Send share names in UTF-8")
     s = session(ec, "SQL_ASCII", opened)
     assert caps_of(s, "stage_e_stats()") == []
     assert one(s, "SELECT count(*)::int FROM stage_e_share_policy") == 0
