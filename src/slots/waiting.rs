@@ -110,8 +110,9 @@ pub(super) fn wait_in_line(
     let mut waiting = false;
     let place = cap.at;
     drop(cap); // a waiter holds no pin while it sleeps (its cap is not reclaimed meanwhile)
-               // Leaves the queue however this ends: returning, an ERROR unwinding, or (through the exit
-               // hook) the process exiting.
+
+    // Leaves the queue however this ends: returning, an ERROR unwinding, or (through the exit
+    // hook) the process exiting.
     let queued = Queued::new(place, ticket);
     let waited = || (session::now() - started).max(0) as u64;
     let mut checked = std::time::Instant::now();

@@ -68,10 +68,10 @@
 //! after 6·10^12 slots granted at weight 1 in one busy period; the rebase is tested all the
 //! same.)
 //!
-//! **Layout.** A [`Clock`] (16 bytes in shared memory, [`Clock::pack`]) per cap, and a [`ShareRecord`] (48 bytes) per live share
-//! in one [`Pool`] of fixed size that every cap draws on: a cap's records are a chain from its
-//! clock, the records given back a free list from the pool's [`PoolHead`] (8 bytes), and a
-//! database holds at most its limit of them (`database_share`); zeroed memory is empty. A
+//! **Layout.** A [`Clock`] (16 bytes in shared memory, [`Clock::pack`]) per cap, and a
+//! [`ShareRecord`] (48 bytes) per live share in one [`Pool`] of fixed size that every cap
+//! draws on: a cap's records are a chain from its clock, the records given back a free list
+//! from the pool's [`PoolHead`] (8 bytes), and a database holds at most its limit of them (`database_share`); zeroed memory is empty. A
 //! step walks the cap's chain only, so its cost is the cap's live shares, not the pool's
 //! size. No allocation: the callers pass the waiters still queued as an iterator where a
 //! share's next head must be found, as [`crate::front::Front::reseat`] takes them.
@@ -284,8 +284,9 @@ pub struct ShareView {
 }
 
 /// The live shares of the cap whose clock is `clock`, with their index in the pool's
-/// `records` (read under the queue lock, in either mode): those that hold or wait for slots (a record that only
-/// owes its last request is not shown: it is forgotten as soon as that is paid).
+/// `records` (read under the queue lock, in either mode): those that hold or wait for slots
+/// (a record that only owes its last request is not shown: it is forgotten as soon as that
+/// is paid).
 pub fn live_shares<'r>(
     clock: &Clock,
     records: &'r [ShareRecord],
