@@ -44,6 +44,16 @@ AS 'MODULE_PATHNAME', 'stage_e_share_policy_written_wrapper';
 CREATE TRIGGER stage_e_share_policy_written
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON stage_e_share_policy
     FOR EACH STATEMENT EXECUTE FUNCTION stage_e_share_policy_written();
+-- A write of stage_e_throttle_counter's policy columns not made by the extension binds the
+-- adaptive and rate policies the rows then say from its commit, as a restart would.
+CREATE FUNCTION "stage_e_throttle_counter_written"() RETURNS trigger
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'stage_e_throttle_counter_written_wrapper';
+CREATE TRIGGER stage_e_throttle_counter_written
+    AFTER INSERT
+       OR UPDATE OF cap, adapt_min, adapt_max, adapt_enforce, rate_count, rate_per, rate_burst
+       OR DELETE OR TRUNCATE ON stage_e_throttle_counter
+    FOR EACH STATEMENT EXECUTE FUNCTION stage_e_throttle_counter_written();
 
 CREATE FUNCTION "stage_e_try_slot"(
 	"cap" TEXT,

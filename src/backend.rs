@@ -55,6 +55,10 @@ impl<T: Copy> BackendLocal<Cell<T>> {
         self.0.set(value)
     }
 
+    pub fn replace(&self, value: T) -> T {
+        self.0.replace(value)
+    }
+
     pub fn take(&self) -> T
     where
         T: Default,

@@ -6,6 +6,7 @@
 use crate::failures::{CapError, NameOf, NamedError, Pool, SlotError};
 use crate::flush::FlushError;
 use crate::gucs;
+use crate::names::quoted;
 use crate::report;
 use pgrx::{PgLogLevel, PgSqlErrorCode};
 use stage_e_core::directory::{NameError, DEFAULT_CAP, MAX_NAME};
@@ -246,6 +247,21 @@ pub fn describe(e: &SlotError) -> Described {
             Some(
                 "Turn adaptation off for caps that need it no longer (stage_e_adapt_off), or \
                  raise stage_e_slots.max_adaptive_caps in postgresql.conf and restart."
+                    .into(),
+            ),
+        ),
+        SlotError::BadRateRow { on } => said(
+            ERRCODE_INVALID_PARAMETER_VALUE,
+            format!(
+                "the rate policy in row {} of stage_e_throttle_counter is not a valid rate",
+                quoted(on)
+            ),
+            "rate_count and rate_burst must be at least 1 and rate_per between 1 microsecond \
+             and 1 day; the statement that wrote the row was rolled back, and no policy changed."
+                .into(),
+            Some(
+                "Set rate policies with stage_e_rate_limit(cap, count, per, burst), which checks \
+                 them, and keep the table's CHECK constraint."
                     .into(),
             ),
         ),

@@ -65,6 +65,11 @@ pub enum SlotError {
         k: u32,
         ceiling: u32,
     },
+    /// A row of `stage_e_throttle_counter` written by hand holds a rate policy that is not a
+    /// valid rate (its CHECK dropped): on the cap or pattern `on`.
+    BadRateRow {
+        on: String,
+    },
     /// Every rate policy record is in use (`stage_e_slots.max_rate_policies`).
     NoRatePolicyRecord {
         max: u32,

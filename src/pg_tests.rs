@@ -226,9 +226,10 @@ mod tests {
             // stage_e_cap_limits_internal, 0.10.0 stage_e_try_rate, stage_e_rate_limit,
             // stage_e_rate_limit_off and stage_e_rate_limits_internal, 0.11.0 the share forms of
             // stage_e_try_slot, stage_e_try_slots and stage_e_lease, stage_e_share,
-            // stage_e_shares_internal and the trigger function stage_e_share_policy_written.
+            // stage_e_shares_internal and the trigger functions stage_e_share_policy_written and
+            // stage_e_throttle_counter_written.
             one::<i64>("SELECT count(*) FROM pg_proc WHERE proname LIKE 'stage_e_%'"),
-            Some(40)
+            Some(41)
         );
         // stage_e_lease (both forms) returns its own row type, (slot integer, token bigint).
         assert_eq!(

@@ -16,6 +16,7 @@
 //! version of the database's objects. The extension scripts (`sql/`) follow the same rule for
 //! view bodies.
 
+use crate::backend::BackendLocal;
 use crate::gucs;
 use crate::names::Text;
 use pgrx::datum::DatumWithOid;
@@ -25,6 +26,7 @@ use pgrx::Spi;
 use stage_e_core::counters::CounterValues;
 use stage_e_core::histogram::BUCKETS;
 use stage_e_core::version::SchemaVersion;
+use std::cell::Cell;
 use std::ffi::CStr;
 
 /// A read-only query session with the search path pinned; assigns no transaction id.
@@ -34,6 +36,7 @@ pub fn read<R>(f: impl FnOnce(&SpiClient<'_>) -> spi::Result<R>) -> spi::Result<
 
 /// One writing statement with the search path pinned.
 pub fn write(query: &str, args: &[DatumWithOid<'_>]) -> spi::Result<()> {
+    let _ours = Ours::start();
     gucs::pinned(|| Spi::connect_mut(|c| c.update(query, None, args).map(|_| ())))
 }
 
@@ -43,7 +46,32 @@ pub fn write_returning<R>(
     args: &[DatumWithOid<'_>],
     f: impl FnOnce(spi::SpiTupleTable<'_>) -> spi::Result<R>,
 ) -> spi::Result<R> {
+    let _ours = Ours::start();
     gucs::pinned(|| Spi::connect_mut(|c| f(c.update(query, None, args)?)))
+}
+
+/// Whether the statement now writing is one of ours ([`write`]): the policy tables' triggers
+/// leave such a write to the function that made it, which queues and logs its own change. A
+/// write by anything else (the owner's UPDATE, a restore's COPY) is the trigger's to bind.
+pub fn writing_ours() -> bool {
+    OURS.get()
+}
+
+static OURS: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
+
+/// [`OURS`] for one statement, put back however it ends (an ERROR unwinds through it).
+struct Ours(bool);
+
+impl Ours {
+    fn start() -> Ours {
+        Ours(OURS.replace(true))
+    }
+}
+
+impl Drop for Ours {
+    fn drop(&mut self) {
+        OURS.set(self.0);
+    }
 }
 
 /// A flusher waits at most this long for a lock (on the counter rows, the horizon rows) before

@@ -166,7 +166,7 @@ VIEW_READS = [
 def test_a_superuser_with_a_hostile_search_path_runs_none_of_its_objects(hc, owned_db):
     """Every function of the extension (every form, from the catalog: conftest.extension_calls)
     and every view, called by a superuser whose search_path puts the planted objects first; and
-    the policy table's trigger, run by a write of the table by hand."""
+    the policy tables' triggers, run by writes of the tables by hand."""
     with hc.connect(owned_db) as su:
         # The session starts with the database's planted search_path: the test's own catalog
         # query runs with pg_catalog alone (it qualifies its operators too).
@@ -177,7 +177,9 @@ def test_a_superuser_with_a_hostile_search_path_runs_none_of_its_objects(hc, own
         calls += VIEW_READS + ["SELECT public.stage_e_try_slot(1)",
                                "SELECT * FROM public.stage_e_flush()",
                                "INSERT INTO public.stage_e_share_policy VALUES ('k', 'h', 1, 1)",
-                               "DELETE FROM public.stage_e_share_policy"]
+                               "DELETE FROM public.stage_e_share_policy",
+                               "UPDATE public.stage_e_throttle_counter SET adapt_min = NULL "
+                               "WHERE cap OPERATOR(pg_catalog.=) 'k'"]
         su.execute("SET search_path = evil, pg_catalog")
         for call in calls:
             su.execute(call)

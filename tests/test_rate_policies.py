@@ -256,6 +256,79 @@ def test_a_restored_dump_keeps_its_policies_in_the_view_and_on_the_caps(pc):
             assert [s for s, _ in cap_locks(w, cap)] == [0]
 
 
+def rows_policies(conn):
+    rates = conn.execute("SELECT cap, count, burst FROM stage_e_rate_limits "
+                         "WHERE cap LIKE 'hand%' ORDER BY cap").fetchall()
+    adaptive = conn.execute("SELECT cap, min_slots, max_slots FROM stage_e_cap_limits "
+                            "WHERE cap LIKE 'hand%' ORDER BY cap").fetchall()
+    return rates, adaptive
+
+
+def test_policies_written_into_the_rows_by_hand_bind_from_their_commit(pc, admin):
+    """The counter rows are what a restart loads: a write of their policy columns that is not
+    the functions' (a COPY, the owner's UPDATE or DELETE, a TRUNCATE) binds from its commit in
+    every session, as the restart would, and is logged; not committed, or rolled back, it
+    changes nothing. The functions' own writes and the flusher's are logged once, as theirs."""
+    table = "stage_e_throttle_counter"
+    with pc.connect(DB, "w") as w:
+        release(w, "hand-first", take(w, "hand-first", 1))  # the database's policies loaded
+        with admin.cursor().copy(f"COPY {table} (cap, rate_count, rate_per, rate_burst, "
+                                 "adapt_min, adapt_max, adapt_enforce) FROM STDIN") as copy:
+            copy.write_row(("hand-rate", 1, "1 h", 1, None, None, None))
+            copy.write_row(("hand-adapt", None, None, None, 1, 1, True))
+        assert rows_policies(w) == ([("hand-rate", 1, 1)], [("hand-adapt", 1, 1)])
+        release(w, "hand-rate", take(w, "hand-rate", 4))
+        assert take(w, "hand-rate", 4) is None  # 1 an hour, spent
+        assert take(w, "hand-adapt", 4) == 0
+        assert take(w, "hand-adapt", 4) is None  # at most 1 of 4
+        assert [s for s, _ in cap_locks(admin, "hand-adapt")] == [0]
+        admin.execute(f"UPDATE {table} SET adapt_max = 2 WHERE cap = 'hand-adapt'")
+        assert rows_policies(w)[1] == [("hand-adapt", 1, 2)]
+        admin.execute("BEGIN")
+        admin.execute(f"DELETE FROM {table} WHERE cap = 'hand-rate'")
+        assert take(w, "hand-rate", 4) is None  # not committed yet
+        admin.execute("ROLLBACK")
+        assert take(w, "hand-rate", 4) is None  # rolled back: still 1 an hour
+        admin.execute(f"UPDATE {table} SET rate_count = NULL, rate_per = NULL, "
+                      "rate_burst = NULL WHERE cap = 'hand-rate'")
+        assert rows_policies(w)[0] == []
+        assert take(w, "hand-rate", 4) == 0  # no rate policy: the slot is free
+        admin.execute("SELECT stage_e_rate_limit('hand-own', 5, '1 h', 5)")
+        admin.execute("SELECT stage_e_flush()")
+        admin.execute(f"TRUNCATE {table}")
+        assert rows_policies(w) == ([], [])
+        assert take(w, "hand-adapt", 4) == 1  # at most 4 again (slot 0 is still held)
+        release(w, "hand-rate", 0)
+    log, ops = pc.log_text(), ("INSERT", "UPDATE", "DELETE", "TRUNCATE")
+    wrote = {op: log.count(f'of database "{DB}" ({op}), not through') for op in ops}
+    # The COPY's two policies and the two UPDATEs; not the rolled-back DELETE, nor the INSERTs
+    # of stage_e_rate_limit and of the flush. The TRUNCATE ends every policy of the database
+    # (the earlier tests' too), each in a line of its own.
+    assert wrote["INSERT"] == 2 and wrote["UPDATE"] == 2 and wrote["DELETE"] == 0, wrote
+    assert log.count(f'of database "{DB}" (TRUNCATE), not through stage_e_adapt_off: cap '
+                     '"hand-adapt" is adaptive no more') == 1
+    assert log.count(f'of database "{DB}" (TRUNCATE), not through stage_e_rate_limit_off: cap '
+                     '"hand-own" has no rate policy') == 1
+    assert log.count('limited cap "hand-own" of database') == 1
+
+
+def test_a_row_edited_past_its_check_into_no_rate_is_refused_and_changes_nothing(pc, admin):
+    """With the table's CHECK dropped (a superuser may), a row that is not a valid rate is
+    refused with class 22, the statement rolled back and the policy kept."""
+    limit(admin, "hand-bad", 1, "1 h", 1)
+    admin.execute("BEGIN")
+    admin.execute("ALTER TABLE stage_e_throttle_counter "
+                  "DROP CONSTRAINT stage_e_throttle_counter_rate")
+    with pytest.raises(errors.InvalidParameterValue) as err:
+        admin.execute("UPDATE stage_e_throttle_counter SET rate_count = 0 "
+                      "WHERE cap = 'hand-bad'")
+    admin.execute("ROLLBACK")
+    assert 'row "hand-bad" of stage_e_throttle_counter is not a valid rate' in str(err.value)
+    assert err.value.diag.message_hint.startswith("Set rate policies with stage_e_rate_limit")
+    assert rows_policies(admin)[0] == [("hand-bad", 1, 1)]
+    admin.execute("SELECT stage_e_rate_limit_off('hand-bad')")
+
+
 def test_policies_survive_a_clean_restart_and_a_crash(pc, admin):
     """1 an hour on 'kept' and on every 'kept:...' cap, each spent once: after a clean restart
     (the keys kept exactly) and after a crash (every key starts spent) both are still refused,

@@ -81,3 +81,11 @@ COMMENT ON TABLE stage_e_throttle_counter IS
 -- CREATE EXTENSION first) must find the table empty.
 SELECT pg_catalog.pg_extension_config_dump('stage_e_throttle_counter', '');
 GRANT SELECT ON stage_e_throttle_counter TO PUBLIC;
+-- A write of the policy columns not made by the extension (an UPDATE or DELETE by the owner, a
+-- restore's COPY into a database in use, a TRUNCATE) binds the adaptive and rate policies the
+-- rows then say from its commit (0.11.0), as a restart would: the rows and what binds agree.
+CREATE TRIGGER stage_e_throttle_counter_written
+    AFTER INSERT
+       OR UPDATE OF cap, adapt_min, adapt_max, adapt_enforce, rate_count, rate_per, rate_burst
+       OR DELETE OR TRUNCATE ON stage_e_throttle_counter
+    FOR EACH STATEMENT EXECUTE FUNCTION stage_e_throttle_counter_written();

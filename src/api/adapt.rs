@@ -34,6 +34,20 @@ fn stage_e_adapt_off(cap: Option<CapArg<'_>>) {
     slots::limits::adapt_off(cap.as_deref()).unwrap_or_else(|e| raise(e))
 }
 
+/// After every statement that writes the policies of `stage_e_throttle_counter` (the trigger of
+/// the same name): one not made by the extension (the owner's UPDATE or DELETE, a restore's COPY
+/// into a database in use, a TRUNCATE) binds the adaptive and rate policies its rows now say
+/// from its commit, as a restart would.
+#[pg_trigger]
+fn stage_e_throttle_counter_written<'a>(
+    trigger: &'a PgTrigger<'a>,
+) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, PgTriggerError> {
+    let op = trigger.op()?;
+    hooks::ensure(); // applies the changes at the commit
+    slots::edited::written(&op.to_string()).unwrap_or_else(|e| raise(e));
+    Ok(None)
+}
+
 /// One row per adaptive cap of the current database: its limit, bounds, what it learned, and
 /// why the limit last moved.
 #[pg_extern(volatile, parallel_unsafe)]

@@ -176,7 +176,11 @@ fn to_micros(i: Interval) -> i64 {
 
 // -- tables and views (sql/schema/) --------------------------------------------------------------
 
-extension_sql_file!("../../sql/schema/counter_table.sql", name = "counter_table");
+extension_sql_file!(
+    "../../sql/schema/counter_table.sql",
+    name = "counter_table",
+    requires = [adapt::stage_e_throttle_counter_written],
+);
 
 extension_sql_file!(
     "../../sql/schema/shares.sql",

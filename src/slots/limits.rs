@@ -231,8 +231,37 @@ pub fn write_limits(ext: &sql::Extension) -> Result<Vec<shmem::ToWrite>, pgrx::s
 /// limits, and its rate policies.
 pub fn restore(ext: &sql::Extension) -> Result<(), String> {
     super::rates::restore(ext)?;
+    let (db, now) = (session::database(), session::now());
+    for r in adapt_rows(ext)? {
+        if let Err(e) =
+            shmem::restore_policy(db, &r.cap, r.bounds, r.enforce, r.limit, r.baseline_us, now)
+        {
+            crate::report::log(format!(
+                "stage_e_slots: cap {} is not adaptive after the restart: all {} adaptive \
+                 policy records (stage_e_slots.max_adaptive_caps) are in use",
+                quoted(&r.cap),
+                e.max
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// An adaptive policy as this database's row keeps it.
+pub(super) struct AdaptRow {
+    pub cap: String,
+    pub bounds: Bounds,
+    pub enforce: bool,
+    /// The learned limit and baseline the flusher last wrote.
+    pub limit: Option<u32>,
+    pub baseline_us: Option<f64>,
+}
+
+/// The adaptive policies of this database's rows (none before 0.9.0). A row a superuser edited
+/// past the bounds of this server reads as the nearest valid one.
+pub(super) fn adapt_rows(ext: &sql::Extension) -> Result<Vec<AdaptRow>, String> {
     if !ext.version.has_adaptive() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let rows = sql::read(|c| {
         let mut rows = Vec::new();
@@ -249,24 +278,21 @@ pub fn restore(ext: &sql::Extension) -> Result<(), String> {
         Ok(rows)
     })
     .map_err(|e| format!("reading the adaptive policies: {e}"))?;
-    let (db, now) = (session::database(), session::now());
-    for (cap, min, max, enforce, limit, baseline) in rows {
-        // Rows a superuser edited past the bounds of this server: the nearest valid ones.
-        let max_slots = gucs::max_slots();
-        let max = max.clamp(1, max_slots as i32);
-        let bounds =
-            Bounds::new(min.clamp(1, max), max, max_slots).map_err(|e| format!("{e:?}"))?;
-        let limit = limit.map(|l| l.max(0) as u32);
-        if let Err(e) = shmem::restore_policy(db, &cap, bounds, enforce, limit, baseline, now) {
-            crate::report::log(format!(
-                "stage_e_slots: cap {} is not adaptive after the restart: all {} adaptive \
-                 policy records (stage_e_slots.max_adaptive_caps) are in use",
-                quoted(&cap),
-                e.max
-            ));
-        }
-    }
-    Ok(())
+    let max_slots = gucs::max_slots();
+    rows.into_iter()
+        .map(|(cap, min, max, enforce, limit, baseline_us)| {
+            let max = max.clamp(1, max_slots as i32);
+            let bounds =
+                Bounds::new(min.clamp(1, max), max, max_slots).map_err(|e| format!("{e:?}"))?;
+            Ok(AdaptRow {
+                cap,
+                bounds,
+                enforce,
+                limit: limit.map(|l| l.max(0) as u32),
+                baseline_us,
+            })
+        })
+        .collect()
 }
 
 /// The extension was dropped from this database, or the database itself: its policies end.

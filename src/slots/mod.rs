@@ -21,6 +21,7 @@
 //!   fails, `CapError::Busy`.
 
 pub mod admission;
+pub mod edited;
 pub mod held;
 mod leases;
 pub mod limits;

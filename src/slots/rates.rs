@@ -104,11 +104,11 @@ pub fn rate_limit(
     )
     .unwrap_or_else(|e| crate::report::fail(format!("stage_e_rate_limit: {e}")));
     let log = format!(
-        "stage_e_slots: role {} limited {} of database {} to {count} per {} in bursts of {burst}",
+        "stage_e_slots: role {} limited {} of database {} to {}",
         quoted(&sql::current_role()),
         describe(name),
         quoted(&sql::current_database()),
-        human(per as u64),
+        said((count as u32, per as u64, burst as u32)),
     );
     session::policy_changed(
         name,
@@ -139,7 +139,8 @@ pub fn rate_limit_off(cap: Option<&str>) -> Result<(), SlotError> {
     Ok(())
 }
 
-fn describe(on: &str) -> String {
+/// What a policy is on, as log lines say it: a cap, or every cap under a prefix.
+pub(super) fn describe(on: &str) -> String {
     match on.strip_suffix('*') {
         Some(prefix) => format!("every cap starting with {}", quoted(prefix)),
         None => format!("cap {}", quoted(on)),
@@ -209,8 +210,29 @@ pub fn apply_committed(db: u32, on: &str, policy: Option<(u32, u64, u32)>, log: 
 
 /// A load of this database (`limits::restore`): the rate policies its rows keep.
 pub fn restore(ext: &sql::Extension) -> Result<(), String> {
+    let db = session::database();
+    for (on, policy) in rate_rows(ext)? {
+        // The row's CHECK keeps it valid; a row edited past it anyway is left out, said.
+        if !policy.is_some_and(|p| shmem::set_rate_policy(db, &on, Some(p))) {
+            crate::report::log(format!(
+                "stage_e_slots: {} has no rate policy after the restart: its row is not a \
+                 valid rate, or all rate policy records (stage_e_slots.max_rate_policies) are \
+                 in use",
+                describe(&on)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A rate policy as a row keeps it: (count, per in ns, burst).
+pub(super) type RatePolicy = (u32, u64, u32);
+
+/// The rate policies of this database's rows (none before 0.10.0), by the name or pattern they
+/// are on; None for a row that is not a valid rate.
+pub(super) fn rate_rows(ext: &sql::Extension) -> Result<Vec<(String, Option<RatePolicy>)>, String> {
     if !ext.version.has_rates() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let rows = sql::read(|c| {
         let mut rows = Vec::new();
@@ -225,22 +247,22 @@ pub fn restore(ext: &sql::Extension) -> Result<(), String> {
         Ok(rows)
     })
     .map_err(|e| format!("reading the rate policies: {e}"))?;
-    let db = session::database();
-    for (on, count, per_us, burst) in rows {
-        let per_ns = per_us.saturating_mul(1_000);
-        // The row's CHECK keeps it valid; a row edited past it anyway is left out, said.
-        if Rate::new(count, per_ns, burst).is_err()
-            || !shmem::set_rate_policy(db, &on, Some((count as u32, per_ns as u64, burst as u32)))
-        {
-            crate::report::log(format!(
-                "stage_e_slots: {} has no rate policy after the restart: its row is not a \
-                 valid rate, or all rate policy records (stage_e_slots.max_rate_policies) are \
-                 in use",
-                describe(&on)
-            ));
-        }
-    }
-    Ok(())
+    Ok(rows
+        .into_iter()
+        .map(|(on, count, per_us, burst)| {
+            let per_ns = per_us.saturating_mul(1_000);
+            let valid = Rate::new(count, per_ns, burst).is_ok();
+            (
+                on,
+                valid.then_some((count as u32, per_ns as u64, burst as u32)),
+            )
+        })
+        .collect())
+}
+
+/// "`count` per `per` in bursts of `burst`", as the log lines say a rate.
+pub(super) fn said((count, per_ns, burst): RatePolicy) -> String {
+    format!("{count} per {} in bursts of {burst}", human(per_ns))
 }
 
 /// The rate of a rate-limited cap, for one acquisition: what the acquisition pipeline asks

@@ -46,7 +46,7 @@ use pgrx::datum::DatumWithOid;
 use stage_e_core::directory;
 pub use stage_e_core::fair::Share;
 use stage_e_core::fair::{Refused, MAX_WEIGHT, NO_CEILING, UNNAMED};
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 
 /// The name of the share that applies to every share of a cap without a policy row of its own.
@@ -191,8 +191,7 @@ pub fn set_policy(
     let Some(ext) = sql::extension() else {
         return Err(SlotError::NotLoaded);
     };
-    // The table's trigger (`policy_written`) leaves this write to the change said below.
-    let _writing = Writing::start();
+    // The table's trigger (`policy_written`) leaves this write, ours, to the change said below.
     sql::write(
         &sql::share_write_query(&ext),
         &[
@@ -219,32 +218,12 @@ pub fn set_policy(
     Ok(())
 }
 
-/// Whether `stage_e_share` is writing the policy table: a statement of ours, which its own
-/// change covers.
-static WRITING: BackendLocal<Cell<bool>> = BackendLocal::new(Cell::new(false));
-
-/// [`WRITING`] for one write, cleared however it ends (an ERROR unwinds through it).
-struct Writing;
-
-impl Writing {
-    fn start() -> Writing {
-        WRITING.set(true);
-        Writing
-    }
-}
-
-impl Drop for Writing {
-    fn drop(&mut self) {
-        WRITING.set(false);
-    }
-}
-
 /// A statement that wrote `stage_e_share_policy` (`op`: INSERT, UPDATE, DELETE or TRUNCATE),
 /// from the table's trigger. Unless it is `stage_e_share`'s own, its commit moves the
 /// database's generation of share policies (so no session keeps the policies it read before)
 /// and is logged: the table's owner may write it by hand, and a restore fills it with COPY.
 pub fn policy_written(op: &str) {
-    if WRITING.get() {
+    if sql::writing_ours() {
         return;
     }
     let log = format!(
