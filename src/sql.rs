@@ -21,13 +21,13 @@ use crate::gucs;
 use crate::names::Text;
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
-use pgrx::spi::{self, SpiClient};
+use pgrx::spi::{self, SpiClient, SpiHeapTupleData};
 use pgrx::Spi;
 use stage_e_core::counters::CounterValues;
 use stage_e_core::histogram::BUCKETS;
 use stage_e_core::version::SchemaVersion;
 use std::cell::Cell;
-use std::ffi::CStr;
+use std::ffi::{CStr, CString};
 
 /// A read-only query session with the search path pinned; assigns no transaction id.
 pub fn read<R>(f: impl FnOnce(&SpiClient<'_>) -> spi::Result<R>) -> spi::Result<R> {
@@ -197,6 +197,60 @@ pub fn extension() -> Option<Extension> {
     .flatten()
 }
 
+/// A read of `query` (no parameters) with the latest snapshot, whatever the isolation level:
+/// it sees every transaction committed before it began and this transaction's own writes, as
+/// the referential-integrity triggers read (a trigger's own snapshot may predate a commit of
+/// another session's that shared memory already shows). `each` reads the rows.
+pub fn read_latest(
+    query: &str,
+    mut each: impl FnMut(&SpiHeapTupleData<'_>) -> spi::Result<()>,
+) -> Result<(), String> {
+    let query = CString::new(query).map_err(|e| e.to_string())?;
+    gucs::pinned(|| {
+        Spi::connect(|_| {
+            // SAFETY: inside the SPI connection just made; the plan and the rows it returns
+            // live in its memory, freed when it ends, and are read before.
+            unsafe {
+                let plan = pg_sys::SPI_prepare(query.as_ptr(), 0, std::ptr::null_mut());
+                if plan.is_null() {
+                    let code = std::ptr::addr_of!(pg_sys::SPI_result).read();
+                    return Err(format!("SPI_prepare failed: {code}"));
+                }
+                // read_only = false: the snapshot's command id is advanced first, so the rows
+                // this statement wrote are seen (as `ri_PerformCheck` does).
+                let rc = pg_sys::SPI_execute_snapshot(
+                    plan,
+                    std::ptr::null_mut(),
+                    std::ptr::null(),
+                    pg_sys::GetLatestSnapshot(),
+                    std::ptr::null_mut(),
+                    false,
+                    false,
+                    0,
+                );
+                let table = pg_sys::SPI_tuptable;
+                if rc != pg_sys::SPI_OK_SELECT as i32 || table.is_null() {
+                    return Err(format!("SPI_execute_snapshot returned {rc}"));
+                }
+                for i in 0..pg_sys::SPI_processed as usize {
+                    let row = SpiHeapTupleData::new((*table).tupdesc, *(*table).vals.add(i))
+                        .map_err(|e| e.to_string())?
+                        .ok_or("a row without a tuple descriptor")?;
+                    each(&row).map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            }
+        })
+    })
+}
+
+/// Whether transaction id `xid` (a row's `xmin`) is this transaction's, or one of its
+/// subtransactions' not rolled back: the row was written here.
+pub fn written_here(xid: u32) -> bool {
+    // SAFETY: reads this backend's transaction state.
+    unsafe { pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(xid)) }
+}
+
 /// `current_database()`, without SQL.
 pub fn current_database() -> String {
     // SAFETY: a syscache lookup of our own database inside a transaction; the palloc'd copy is
@@ -252,6 +306,20 @@ pub fn horizon_rows_query(ext: &Extension) -> String {
 pub fn counter_caps_query(ext: &Extension) -> String {
     format!(
         "SELECT c.cap FROM {}.stage_e_throttle_counter AS c",
+        ext.schema
+    )
+}
+
+/// Every counter row's policies, for a write by hand (`slots::edited`): `(cap, xmin as int8,
+/// adapt min, max, enforce, rate count, per in µs, burst)`.
+pub fn policy_rows_query(ext: &Extension) -> String {
+    format!(
+        "SELECT t.cap, (t.xmin::pg_catalog.text)::pg_catalog.int8, \
+                t.adapt_min, t.adapt_max, t.adapt_enforce, t.rate_count, \
+                (pg_catalog.date_part('epoch', t.rate_per) \
+                   OPERATOR(pg_catalog.*) 1000000.0::pg_catalog.float8)::pg_catalog.int8, \
+                t.rate_burst \
+           FROM {}.stage_e_throttle_counter AS t",
         ext.schema
     )
 }

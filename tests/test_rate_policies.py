@@ -312,6 +312,33 @@ def test_policies_written_into_the_rows_by_hand_bind_from_their_commit(pc, admin
     assert log.count('limited cap "hand-own" of database') == 1
 
 
+def test_a_write_by_hand_changes_the_policies_of_its_own_rows_only(pc, admin):
+    """A hand edit in a REPEATABLE READ transaction whose snapshot predates another session's
+    committed policy (shared memory has it, the snapshot's rows do not) leaves that policy as
+    it is: the rows are read with the latest snapshot, and only the rows the transaction wrote
+    or deleted are its to change. A hand edit in a rolled-back savepoint changes nothing."""
+    limit(admin, "hand-mine", 1, "1 h", 1)
+    with pc.connect(DB, "other") as other, pc.connect(DB, "w") as w:
+        admin.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        assert rows_policies(admin)[0] == [("hand-mine", 1, 1)]  # the snapshot
+        limit(other, "hand-theirs", 1, "1 h", 1)
+        admin.execute("UPDATE stage_e_throttle_counter SET rate_burst = 2 "
+                      "WHERE cap = 'hand-mine'")
+        admin.execute("COMMIT")
+        assert rows_policies(w)[0] == [("hand-mine", 1, 2), ("hand-theirs", 1, 1)]
+        release(w, "hand-theirs", take(w, "hand-theirs", 4))
+        assert take(w, "hand-theirs", 4) is None  # still 1 an hour
+        admin.execute("BEGIN")
+        admin.execute("SAVEPOINT s")
+        admin.execute("DELETE FROM stage_e_throttle_counter WHERE cap LIKE 'hand-%'")
+        admin.execute("ROLLBACK TO SAVEPOINT s")
+        admin.execute("COMMIT")
+        assert rows_policies(w)[0] == [("hand-mine", 1, 2), ("hand-theirs", 1, 1)]
+        assert take(w, "hand-theirs", 4) is None
+    for cap in ("hand-mine", "hand-theirs"):
+        admin.execute("SELECT stage_e_rate_limit_off(%s)", (cap,))
+
+
 def test_a_row_edited_past_its_check_into_no_rate_is_refused_and_changes_nothing(pc, admin):
     """With the table's CHECK dropped (a superuser may), a row that is not a valid rate is
     refused with class 22, the statement rolled back and the policy kept."""

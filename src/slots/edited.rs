@@ -6,22 +6,29 @@
 //!
 //! Interface: [`written`], from the table's statement trigger `stage_e_throttle_counter_written`.
 //!
-//! Protocol: after each such statement the policy rows are read (they include the statement's
-//! changes) and compared with what binds at this transaction's commit: shared memory's policies
-//! of the database, then the changes this transaction queued before, in order. Each difference
-//! is queued as `stage_e_adapt`, `stage_e_adapt_off`, `stage_e_rate_limit` or
-//! `stage_e_rate_limit_off` would queue it (`session::policy_changed`): reserved at the
-//! pre-commit (53400 when no record is left, rolling the statement back), applied and logged at
-//! the commit, dropped by a rollback or a rolled-back savepoint. The functions' own statements
-//! (`sql::writing_ours`) are left to them, as are the flusher's, which write no policy.
+//! Protocol: after each such statement, this transaction's policy changes are what its rows
+//! now say, and only its rows: the caps whose row it wrote (the row's `xmin` is its own), and
+//! the caps whose row is gone. Each is compared with what binds at this transaction's commit
+//! (shared memory's policies of the database, then the changes the transaction queued before,
+//! in order), and each difference is queued as `stage_e_adapt`, `stage_e_adapt_off`,
+//! `stage_e_rate_limit` or `stage_e_rate_limit_off` would queue it (`session::policy_changed`):
+//! reserved at the pre-commit (53400 when no record is left, rolling the statement back),
+//! applied and logged at the commit, dropped by a rollback or a rolled-back savepoint.
+//!
+//! Other sessions may change other caps' policies meanwhile, so the rows are read after shared
+//! memory and with the latest snapshot (`sql::read_latest`), not the statement's: a commit shared
+//! memory shows is then in the rows too, and a row written by another session is left to that
+//! session's commit (its row lock keeps a row written here from changing under this one). The
+//! functions' own statements (`sql::writing_ours`) are left to them, as are the flusher's,
+//! which write no policy.
 
 use super::{limits, rates, SlotError};
-use crate::names::quoted;
+use crate::names::{quoted, Text};
 use crate::session::{self, Change};
 use crate::shmem::{self, PolicyChange};
 use crate::sql;
 use stage_e_core::adapt::Bounds;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A statement that wrote `stage_e_throttle_counter` (`op`: INSERT, UPDATE, DELETE or
 /// TRUNCATE), from the table's trigger: the policies its rows now say bind from the commit.
@@ -40,59 +47,58 @@ pub fn written(op: &str) -> Result<(), SlotError> {
     let Some(ext) = sql::extension() else {
         return Err(SlotError::NotLoaded);
     };
-    let (adapt_rows, rate_rows) = match (limits::adapt_rows(&ext), rates::rate_rows(&ext)) {
-        (Ok(a), Ok(r)) => (a, r),
-        (Err(e), _) | (_, Err(e)) => crate::report::fail(e),
-    };
+    let (adaptive, rated) = binding_at_commit();
+    let rows = rows_now(&ext).unwrap_or_else(|e| crate::report::fail(e));
+    // What this transaction changes: the policies of the rows it wrote, and of those gone.
+    let present: BTreeSet<&str> = rows.iter().map(|r| r.cap.as_str()).collect();
+    let gone = |cap: &String| !present.contains(cap.as_str());
+    let mut adapt_off: Vec<String> = adaptive.keys().filter(|c| gone(c)).cloned().collect();
+    let mut rate_off: Vec<String> = rated.keys().filter(|c| gone(c)).cloned().collect();
     let by = format!(
         "stage_e_slots: role {} wrote stage_e_throttle_counter of database {} ({op})",
         quoted(&sql::current_role()),
         quoted(&sql::current_database()),
     );
-    let (mut adaptive, mut rated) = binding_at_commit();
-    for r in adapt_rows {
-        let policy = (r.bounds, r.enforce);
-        if adaptive.remove(&r.cap) != Some(policy) {
-            let log = format!(
-                "{by}, not through stage_e_adapt: cap {} is adaptive between {} and {} slots \
-                 ({})",
-                quoted(&r.cap),
-                r.bounds.min,
-                r.bounds.max,
-                if r.enforce {
-                    "enforced"
-                } else {
-                    "monitor mode"
-                },
-            );
-            let set = PolicyChange::Set {
-                bounds: r.bounds,
-                enforce: r.enforce,
-            };
-            session::policy_changed(&r.cap, Change::Adapt(set), log);
+    for r in rows.iter().filter(|r| r.here) {
+        match r.adapt {
+            Some(policy) if adaptive.get(&r.cap) != Some(&policy) => {
+                let (bounds, enforce) = policy;
+                let log = format!(
+                    "{by}, not through stage_e_adapt: cap {} is adaptive between {} and {} \
+                     slots ({})",
+                    quoted(&r.cap),
+                    bounds.min,
+                    bounds.max,
+                    if enforce { "enforced" } else { "monitor mode" },
+                );
+                let set = PolicyChange::Set { bounds, enforce };
+                session::policy_changed(&r.cap, Change::Adapt(set), log);
+            }
+            None if adaptive.contains_key(&r.cap) => adapt_off.push(r.cap.clone()),
+            _ => {}
+        }
+        match r.rate {
+            Some(None) => return Err(SlotError::BadRateRow { on: r.cap.clone() }),
+            Some(Some(policy)) if rated.get(&r.cap) != Some(&policy) => {
+                let log = format!(
+                    "{by}, not through stage_e_rate_limit: {} is limited to {}",
+                    rates::describe(&r.cap),
+                    rates::said(policy),
+                );
+                session::policy_changed(&r.cap, Change::Rate(Some(policy)), log);
+            }
+            None if rated.contains_key(&r.cap) => rate_off.push(r.cap.clone()),
+            _ => {}
         }
     }
-    for cap in adaptive.into_keys() {
+    for cap in adapt_off {
         let log = format!(
             "{by}, not through stage_e_adapt_off: cap {} is adaptive no more",
             quoted(&cap)
         );
         session::policy_changed(&cap, Change::Adapt(PolicyChange::Off), log);
     }
-    for (on, policy) in rate_rows {
-        let Some(policy) = policy else {
-            return Err(SlotError::BadRateRow { on });
-        };
-        if rated.remove(&on) != Some(policy) {
-            let log = format!(
-                "{by}, not through stage_e_rate_limit: {} is limited to {}",
-                rates::describe(&on),
-                rates::said(policy),
-            );
-            session::policy_changed(&on, Change::Rate(Some(policy)), log);
-        }
-    }
-    for on in rated.into_keys() {
+    for on in rate_off {
         let log = format!(
             "{by}, not through stage_e_rate_limit_off: {} has no rate policy",
             rates::describe(&on)
@@ -100,6 +106,56 @@ pub fn written(op: &str) -> Result<(), SlotError> {
         session::policy_changed(&on, Change::Rate(None), log);
     }
     Ok(())
+}
+
+/// A counter row as the latest snapshot shows it.
+struct Row {
+    cap: String,
+    /// Written by this transaction.
+    here: bool,
+    /// Its adaptive policy (bounds as `limits::row_bounds` reads them).
+    adapt: Option<(Bounds, bool)>,
+    /// Its rate policy; `Some(None)`: one that is not a valid rate.
+    rate: Option<Option<rates::RatePolicy>>,
+}
+
+/// Every counter row of this database, with the latest snapshot (`sql::read_latest`).
+fn rows_now(ext: &sql::Extension) -> Result<Vec<Row>, String> {
+    let mut rows = Vec::new();
+    sql::read_latest(&sql::policy_rows_query(ext), |r| {
+        let cap = r.get::<Text>(1)?.unwrap_or_default().0;
+        let here = r
+            .get::<i64>(2)?
+            .is_some_and(|x| sql::written_here(x as u32));
+        let adapt = match (r.get::<i32>(3)?, r.get::<i32>(4)?) {
+            (Some(min), Some(max)) => Some((min, max, r.get::<bool>(5)?.unwrap_or(true))),
+            _ => None,
+        };
+        let rate = match (r.get::<i32>(6)?, r.get::<i64>(7)?, r.get::<i32>(8)?) {
+            (Some(count), per_us, burst) => Some(rates::row_rate(
+                count,
+                per_us.unwrap_or(1_000_000),
+                burst.unwrap_or(1),
+            )),
+            _ => None,
+        };
+        rows.push((cap, here, adapt, rate));
+        Ok(())
+    })?;
+    rows.into_iter()
+        .map(|(cap, here, adapt, rate)| {
+            let adapt = match adapt {
+                Some((min, max, enforce)) => Some((limits::row_bounds(min, max)?, enforce)),
+                None => None,
+            };
+            Ok(Row {
+                cap,
+                here,
+                adapt,
+                rate,
+            })
+        })
+        .collect()
 }
 
 /// The adaptive and rate policies of this database that bind once this transaction commits:

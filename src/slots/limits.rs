@@ -257,8 +257,8 @@ pub(super) struct AdaptRow {
     pub baseline_us: Option<f64>,
 }
 
-/// The adaptive policies of this database's rows (none before 0.9.0). A row a superuser edited
-/// past the bounds of this server reads as the nearest valid one.
+/// The adaptive policies of this database's rows (none before 0.9.0), their bounds as
+/// [`row_bounds`] reads them.
 pub(super) fn adapt_rows(ext: &sql::Extension) -> Result<Vec<AdaptRow>, String> {
     if !ext.version.has_adaptive() {
         return Ok(Vec::new());
@@ -278,21 +278,25 @@ pub(super) fn adapt_rows(ext: &sql::Extension) -> Result<Vec<AdaptRow>, String> 
         Ok(rows)
     })
     .map_err(|e| format!("reading the adaptive policies: {e}"))?;
-    let max_slots = gucs::max_slots();
     rows.into_iter()
         .map(|(cap, min, max, enforce, limit, baseline_us)| {
-            let max = max.clamp(1, max_slots as i32);
-            let bounds =
-                Bounds::new(min.clamp(1, max), max, max_slots).map_err(|e| format!("{e:?}"))?;
             Ok(AdaptRow {
                 cap,
-                bounds,
+                bounds: row_bounds(min, max)?,
                 enforce,
                 limit: limit.map(|l| l.max(0) as u32),
                 baseline_us,
             })
         })
         .collect()
+}
+
+/// A row's `adapt_min` and `adapt_max` as bounds: for a row a superuser edited past the bounds
+/// of this server, the nearest valid ones.
+pub(super) fn row_bounds(min: i32, max: i32) -> Result<Bounds, String> {
+    let max_slots = gucs::max_slots();
+    let max = max.clamp(1, max_slots as i32);
+    Bounds::new(min.clamp(1, max), max, max_slots).map_err(|e| format!("{e:?}"))
 }
 
 /// The extension was dropped from this database, or the database itself: its policies end.

@@ -249,15 +249,15 @@ pub(super) fn rate_rows(ext: &sql::Extension) -> Result<Vec<(String, Option<Rate
     .map_err(|e| format!("reading the rate policies: {e}"))?;
     Ok(rows
         .into_iter()
-        .map(|(on, count, per_us, burst)| {
-            let per_ns = per_us.saturating_mul(1_000);
-            let valid = Rate::new(count, per_ns, burst).is_ok();
-            (
-                on,
-                valid.then_some((count as u32, per_ns as u64, burst as u32)),
-            )
-        })
+        .map(|(on, count, per_us, burst)| (on, row_rate(count, per_us, burst)))
         .collect())
+}
+
+/// A row's `rate_count`, `rate_per` (µs) and `rate_burst` as a policy; None if not a valid rate.
+pub(super) fn row_rate(count: i32, per_us: i64, burst: i32) -> Option<RatePolicy> {
+    let per_ns = per_us.saturating_mul(1_000);
+    let valid = Rate::new(count, per_ns, burst).is_ok();
+    valid.then_some((count as u32, per_ns as u64, burst as u32))
 }
 
 /// "`count` per `per` in bursts of `burst`", as the log lines say a rate.
