@@ -140,12 +140,16 @@ unsafe extern "C-unwind" fn on_xact_end_guarded(
         XACT_EVENT_PRE_PREPARE if session::flushing() => {
             pgrx::error!("cannot PREPARE a transaction that flushed stage_e_slots counters")
         }
-        XACT_EVENT_PRE_PREPARE if session::changes_policies() => {
-            pgrx::error!(
-                "cannot PREPARE a transaction that called stage_e_adapt, stage_e_adapt_off, \
-                 stage_e_rate_limit or stage_e_rate_limit_off"
-            )
-        }
+        XACT_EVENT_PRE_PREPARE if session::changes_policies() => crate::report::error(
+            pgrx::PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            "cannot PREPARE a transaction that changed a stage_e_slots policy".into(),
+            "It called stage_e_adapt, stage_e_adapt_off, stage_e_rate_limit, \
+             stage_e_rate_limit_off or stage_e_share, or wrote the policies of \
+             stage_e_throttle_counter or stage_e_share_policy by hand. A policy binds from its \
+             transaction's commit, and COMMIT PREPARED may come later, in any session."
+                .into(),
+            Some("Change policies in a transaction that is not prepared.".into()),
+        ),
         XACT_EVENT_PRE_COMMIT if session::changes_policies() => {
             crate::slots::limits::reserve_committing(&session::pending_policies());
             return;

@@ -238,16 +238,21 @@ def test_max_adaptive_caps_is_a_postmaster_setting(aconnect):
 
 
 def test_a_prepared_transaction_may_not_change_a_policy(aconnect):
-    """PREPARE TRANSACTION of a transaction that called stage_e_adapt (or stage_e_adapt_off)
-    is refused: the change would have to follow a COMMIT PREPARED made later, by any session.
-    The transaction is rolled back, so nothing changes."""
+    """PREPARE TRANSACTION of a transaction that called stage_e_adapt (or stage_e_adapt_off),
+    or wrote a policy into the counter rows by hand, is refused (0A000): the change would have
+    to follow a COMMIT PREPARED made later, by any session. The transaction is rolled back, so
+    nothing changes."""
     c, observer = aconnect(), aconnect("observer")
-    for call in ["SELECT stage_e_adapt('prepared', 1, 4)", "SELECT stage_e_adapt_off('kept')"]:
+    for call in ["SELECT stage_e_adapt('prepared', 1, 4)", "SELECT stage_e_adapt_off('kept')",
+                 "INSERT INTO stage_e_throttle_counter (cap, adapt_min, adapt_max) "
+                 "VALUES ('prepared', 1, 4)"]:
         c.execute("BEGIN")
         c.execute(call)
-        with pytest.raises(errors.InternalError, match="cannot PREPARE a transaction that "
-                                                       "called stage_e_adapt"):
+        with pytest.raises(errors.FeatureNotSupported, match="cannot PREPARE a transaction "
+                                                             "that changed a stage_e_slots "
+                                                             "policy") as err:
             c.execute("PREPARE TRANSACTION 'adapt'")
+        assert "wrote the policies of stage_e_throttle_counter" in err.value.diag.message_detail
         assert "prepared" not in limits(observer)
         assert one(observer, "SELECT count(*) FROM pg_prepared_xacts") == 0
     assert counter_row(observer, "prepared") is None
