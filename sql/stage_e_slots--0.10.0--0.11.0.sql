@@ -44,6 +44,7 @@ AS 'MODULE_PATHNAME', 'stage_e_share_policy_written_wrapper';
 CREATE TRIGGER stage_e_share_policy_written
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON stage_e_share_policy
     FOR EACH STATEMENT EXECUTE FUNCTION stage_e_share_policy_written();
+ALTER TABLE stage_e_share_policy ENABLE ALWAYS TRIGGER stage_e_share_policy_written;
 -- A write of stage_e_throttle_counter's policy columns not made by the extension binds the
 -- adaptive and rate policies the rows then say from its commit, as a restart would.
 CREATE FUNCTION "stage_e_throttle_counter_written"() RETURNS trigger
@@ -54,6 +55,9 @@ CREATE TRIGGER stage_e_throttle_counter_written
        OR UPDATE OF cap, adapt_min, adapt_max, adapt_enforce, rate_count, rate_per, rate_burst
        OR DELETE OR TRUNCATE ON stage_e_throttle_counter
     FOR EACH STATEMENT EXECUTE FUNCTION stage_e_throttle_counter_written();
+-- Also in a session whose session_replication_role is replica (a bulk load, a logical
+-- replication apply): the write binds all the same.
+ALTER TABLE stage_e_throttle_counter ENABLE ALWAYS TRIGGER stage_e_throttle_counter_written;
 
 CREATE FUNCTION "stage_e_try_slot"(
 	"cap" TEXT,

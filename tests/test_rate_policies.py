@@ -266,9 +266,9 @@ def rows_policies(conn):
 
 def test_policies_written_into_the_rows_by_hand_bind_from_their_commit(pc, admin):
     """The counter rows are what a restart loads: a write of their policy columns that is not
-    the functions' (a COPY, the owner's UPDATE or DELETE, a TRUNCATE) binds from its commit in
-    every session, as the restart would, and is logged; not committed, or rolled back, it
-    changes nothing. The functions' own writes and the flusher's are logged once, as theirs."""
+    the functions' (a COPY, the owner's UPDATE or DELETE, a TRUNCATE, in a session whose
+    session_replication_role is replica too) binds from its commit in every session, as the
+    restart would, and is logged; not committed, or rolled back, it changes nothing. The functions' own writes and the flusher's are logged once, as theirs."""
     table = "stage_e_throttle_counter"
     with pc.connect(DB, "w") as w:
         release(w, "hand-first", take(w, "hand-first", 1))  # the database's policies loaded
@@ -293,6 +293,13 @@ def test_policies_written_into_the_rows_by_hand_bind_from_their_commit(pc, admin
                       "rate_burst = NULL WHERE cap = 'hand-rate'")
         assert rows_policies(w)[0] == []
         assert take(w, "hand-rate", 4) == 0  # no rate policy: the slot is free
+        admin.execute("SET session_replication_role = replica")  # a bulk load's
+        admin.execute(f"UPDATE {table} SET rate_count = 2, rate_per = '1 h', rate_burst = 1 "
+                      "WHERE cap = 'hand-rate'")
+        admin.execute("RESET session_replication_role")
+        assert rows_policies(w)[0] == [("hand-rate", 2, 1)]
+        admin.execute(f"UPDATE {table} SET rate_count = NULL, rate_per = NULL, "
+                      "rate_burst = NULL WHERE cap = 'hand-rate'")
         admin.execute("SELECT stage_e_rate_limit('hand-own', 5, '1 h', 5)")
         admin.execute("SELECT stage_e_flush()")
         admin.execute(f"TRUNCATE {table}")
@@ -301,10 +308,10 @@ def test_policies_written_into_the_rows_by_hand_bind_from_their_commit(pc, admin
         release(w, "hand-rate", 0)
     log, ops = pc.log_text(), ("INSERT", "UPDATE", "DELETE", "TRUNCATE")
     wrote = {op: log.count(f'of database "{DB}" ({op}), not through') for op in ops}
-    # The COPY's two policies and the two UPDATEs; not the rolled-back DELETE, nor the INSERTs
+    # The COPY's two policies and the four UPDATEs; not the rolled-back DELETE, nor the INSERTs
     # of stage_e_rate_limit and of the flush. The TRUNCATE ends every policy of the database
     # (the earlier tests' too), each in a line of its own.
-    assert wrote["INSERT"] == 2 and wrote["UPDATE"] == 2 and wrote["DELETE"] == 0, wrote
+    assert wrote["INSERT"] == 2 and wrote["UPDATE"] == 4 and wrote["DELETE"] == 0, wrote
     assert log.count(f'of database "{DB}" (TRUNCATE), not through stage_e_adapt_off: cap '
                      '"hand-adapt" is adaptive no more') == 1
     assert log.count(f'of database "{DB}" (TRUNCATE), not through stage_e_rate_limit_off: cap '

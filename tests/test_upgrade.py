@@ -61,7 +61,7 @@ UNION ALL
 SELECT 'dumped data ' || cfg::regclass::text || ' where ' || coalesce(cond, '-')
   FROM ext, unnest(ext.extconfig, ext.extcondition) AS u(cfg, cond)
 UNION ALL
-SELECT 'trigger ' || pg_get_triggerdef(t.oid)
+SELECT 'trigger ' || pg_get_triggerdef(t.oid) || ' enabled=' || t.tgenabled::text
   FROM members m JOIN pg_trigger t ON m.classid = 'pg_class'::regclass AND t.tgrelid = m.objid
  WHERE NOT t.tgisinternal
 UNION ALL

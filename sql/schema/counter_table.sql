@@ -89,3 +89,6 @@ CREATE TRIGGER stage_e_throttle_counter_written
        OR UPDATE OF cap, adapt_min, adapt_max, adapt_enforce, rate_count, rate_per, rate_burst
        OR DELETE OR TRUNCATE ON stage_e_throttle_counter
     FOR EACH STATEMENT EXECUTE FUNCTION stage_e_throttle_counter_written();
+-- Also in a session whose session_replication_role is replica (a bulk load, a logical
+-- replication apply): the write binds all the same.
+ALTER TABLE stage_e_throttle_counter ENABLE ALWAYS TRIGGER stage_e_throttle_counter_written;

@@ -34,3 +34,4 @@ GRANT SELECT ON stage_e_share_policy TO PUBLIC;
 CREATE TRIGGER stage_e_share_policy_written
     AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON stage_e_share_policy
     FOR EACH STATEMENT EXECUTE FUNCTION stage_e_share_policy_written();
+ALTER TABLE stage_e_share_policy ENABLE ALWAYS TRIGGER stage_e_share_policy_written;
