@@ -372,15 +372,28 @@ const PINNED_SEARCH_PATH: &CStr = c"pg_catalog, pg_temp";
 
 /// Runs `f` with `search_path = pg_catalog, pg_temp`, restoring the caller's setting after.
 pub fn pinned<R>(f: impl FnOnce() -> R) -> R {
+    with_setting(c"search_path", PINNED_SEARCH_PATH, f)
+}
+
+/// Runs `f` with `enable_seqscan = off`: for a read of few rows that an index finds, which the
+/// planner would read with a sequential scan of the whole table while its statistics are stale
+/// (a table no ANALYZE has seen since it grew: every row then looks like a match of
+/// `IS NOT NULL`).
+pub fn index_scans<R>(f: impl FnOnce() -> R) -> R {
+    with_setting(c"enable_seqscan", c"off", f)
+}
+
+/// Runs `f` with setting `name` at `value`, restoring the caller's setting after.
+fn with_setting<R>(name: &CStr, value: &CStr, f: impl FnOnce() -> R) -> R {
     // SAFETY: the fmgr_security_definer pattern. A new GUC nest level saves the setting; on the
     // success path AtEOXact_GUC(true, level) pops it. If `f` raises an ERROR, the (sub)transaction
-    // abort pops every level above the surviving one, so the pinned value never leaks to the
-    // caller. GUC_ACTION_SAVE is also the action allowed in parallel mode.
+    // abort pops every level above the surviving one, so the value never leaks to the caller.
+    // GUC_ACTION_SAVE is also the action allowed in parallel mode.
     unsafe {
         let level = pg_sys::NewGUCNestLevel();
         pg_sys::set_config_option(
-            c"search_path".as_ptr(),
-            PINNED_SEARCH_PATH.as_ptr(),
+            name.as_ptr(),
+            value.as_ptr(),
             pg_sys::GucContext::PGC_USERSET,
             pg_sys::GucSource::PGC_S_SESSION,
             pg_sys::GucAction::GUC_ACTION_SAVE,

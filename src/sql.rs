@@ -197,21 +197,36 @@ pub fn extension() -> Option<Extension> {
     .flatten()
 }
 
-/// A read of `query` (no parameters) with the latest snapshot, whatever the isolation level:
-/// it sees every transaction committed before it began and this transaction's own writes, as
-/// the referential-integrity triggers read (a trigger's own snapshot may predate a commit of
-/// another session's that shared memory already shows). `each` reads the rows.
+/// A read of `query` with the latest snapshot, whatever the isolation level: it sees every
+/// transaction committed before it began and this transaction's own writes, as the
+/// referential-integrity triggers read (a trigger's own snapshot may predate a commit of another
+/// session's that shared memory already shows). `each` reads the rows.
 pub fn read_latest(
     query: &str,
+    args: &[DatumWithOid<'_>],
     mut each: impl FnMut(&SpiHeapTupleData<'_>) -> spi::Result<()>,
 ) -> Result<(), String> {
     let query = CString::new(query).map_err(|e| e.to_string())?;
+    let mut types: Vec<pg_sys::Oid> = args.iter().map(|a| a.oid()).collect();
+    let mut values: Vec<pg_sys::Datum> = args
+        .iter()
+        .map(|a| {
+            a.datum()
+                .map_or(pg_sys::Datum::from(0), |d| d.sans_lifetime())
+        })
+        .collect();
+    let nulls: Vec<std::ffi::c_char> = args
+        .iter()
+        .map(|a| if a.datum().is_some() { b' ' } else { b'n' } as std::ffi::c_char)
+        .collect();
     gucs::pinned(|| {
         Spi::connect(|_| {
-            // SAFETY: inside the SPI connection just made; the plan and the rows it returns
-            // live in its memory, freed when it ends, and are read before.
+            // SAFETY: inside the SPI connection just made, with `types`, `values` and `nulls`
+            // one per parameter; the plan and the rows it returns live in the connection's
+            // memory, freed when it ends, and are read before.
             unsafe {
-                let plan = pg_sys::SPI_prepare(query.as_ptr(), 0, std::ptr::null_mut());
+                let plan =
+                    pg_sys::SPI_prepare(query.as_ptr(), types.len() as i32, types.as_mut_ptr());
                 if plan.is_null() {
                     let code = std::ptr::addr_of!(pg_sys::SPI_result).read();
                     return Err(format!("SPI_prepare failed: {code}"));
@@ -220,8 +235,8 @@ pub fn read_latest(
                 // this statement wrote are seen (as `ri_PerformCheck` does).
                 let rc = pg_sys::SPI_execute_snapshot(
                     plan,
-                    std::ptr::null_mut(),
-                    std::ptr::null(),
+                    values.as_mut_ptr(),
+                    nulls.as_ptr(),
                     pg_sys::GetLatestSnapshot(),
                     std::ptr::null_mut(),
                     false,
@@ -310,17 +325,23 @@ pub fn counter_caps_query(ext: &Extension) -> String {
     )
 }
 
-/// Every counter row's policies, for a write by hand (`slots::edited`): `(cap, xmin as int8,
-/// adapt min, max, enforce, rate count, per in µs, burst)`.
+/// The counter rows with a policy, and those of the caps in `$1` (text[]), for a write by hand
+/// (`slots::edited`): `(cap, xmin as int8, adapt min, max, enforce, rate count, per in µs,
+/// burst)`. Both parts use an index (the partial one on policy rows, the primary key), so a
+/// restore of one INSERT per row reads no more than the policies at each.
 pub fn policy_rows_query(ext: &Extension) -> String {
+    let columns = "t.cap, (t.xmin::pg_catalog.text)::pg_catalog.int8, \
+                   t.adapt_min, t.adapt_max, t.adapt_enforce, t.rate_count, \
+                   (pg_catalog.date_part('epoch', t.rate_per) \
+                      OPERATOR(pg_catalog.*) 1000000.0::pg_catalog.float8)::pg_catalog.int8, \
+                   t.rate_burst";
+    let policy = "(t.adapt_max IS NOT NULL OR t.rate_count IS NOT NULL)";
     format!(
-        "SELECT t.cap, (t.xmin::pg_catalog.text)::pg_catalog.int8, \
-                t.adapt_min, t.adapt_max, t.adapt_enforce, t.rate_count, \
-                (pg_catalog.date_part('epoch', t.rate_per) \
-                   OPERATOR(pg_catalog.*) 1000000.0::pg_catalog.float8)::pg_catalog.int8, \
-                t.rate_burst \
-           FROM {}.stage_e_throttle_counter AS t",
-        ext.schema
+        "SELECT {columns} FROM {schema}.stage_e_throttle_counter AS t WHERE {policy} \
+         UNION ALL \
+         SELECT {columns} FROM {schema}.stage_e_throttle_counter AS t \
+          WHERE t.cap OPERATOR(pg_catalog.=) ANY ($1::pg_catalog.text[]) AND NOT {policy}",
+        schema = ext.schema
     )
 }
 

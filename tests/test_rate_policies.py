@@ -346,6 +346,33 @@ def test_a_write_by_hand_changes_the_policies_of_its_own_rows_only(pc, admin):
         admin.execute("SELECT stage_e_rate_limit_off(%s)", (cap,))
 
 
+def test_a_write_by_hand_reads_the_policy_rows_through_indexes(pc, admin):
+    """The trigger reads the rows that keep a policy (a partial index) and those of the caps
+    that have one (the primary key), never the whole table, whatever its statistics say: a
+    restore of one INSERT per row (pg_dump --inserts) stays linear. pg_stat_user_tables counts
+    no sequential scan of the table across such INSERTs, with and without policies."""
+    limit(admin, "hand-indexed", 1, "1 h", 1)
+
+    def scans():
+        admin.execute("SELECT pg_stat_force_next_flush()")
+        admin.execute("SELECT pg_stat_clear_snapshot()")
+        return admin.execute("SELECT seq_scan, idx_scan FROM pg_stat_user_tables "
+                             "WHERE relname = 'stage_e_throttle_counter'").fetchone()
+
+    seq, idx = scans()
+    for i in range(5):
+        admin.execute("INSERT INTO stage_e_throttle_counter (cap, acquired) VALUES (%s, 1)",
+                      (f"hand-row{i}",))
+    admin.execute("INSERT INTO stage_e_throttle_counter (cap, rate_count, rate_per, rate_burst) "
+                  "VALUES ('hand-row-rated', 2, '1 h', 1)")
+    after = scans()
+    assert after[0] == seq, "a sequential scan of the counter table"
+    assert after[1] >= idx + 12  # two index scans a statement at least
+    assert rows_policies(admin)[0][1] == ("hand-row-rated", 2, 1)
+    for cap in ("hand-indexed", "hand-row-rated"):
+        admin.execute("SELECT stage_e_rate_limit_off(%s)", (cap,))
+
+
 def test_a_row_edited_past_its_check_into_no_rate_is_refused_and_changes_nothing(pc, admin):
     """With the table's CHECK dropped (a superuser may), a row that is not a valid rate is
     refused with class 22, the statement rolled back and the policy kept."""

@@ -8,7 +8,8 @@
 //!
 //! Protocol: after each such statement, this transaction's policy changes are what its rows
 //! now say, and only its rows: the caps whose row it wrote (the row's `xmin` is its own), and
-//! the caps whose row is gone. Each is compared with what binds at this transaction's commit
+//! the caps whose row is gone. Only the rows that have a policy, or whose cap has one, are read
+//! (through indexes): a row written here with neither changes nothing. Each is compared with what binds at this transaction's commit
 //! (shared memory's policies of the database, then the changes the transaction queued before,
 //! in order), and each difference is queued as `stage_e_adapt`, `stage_e_adapt_off`,
 //! `stage_e_rate_limit` or `stage_e_rate_limit_off` would queue it (`session::policy_changed`):
@@ -23,6 +24,7 @@
 //! which write no policy.
 
 use super::{limits, rates, SlotError};
+use crate::gucs;
 use crate::names::{quoted, Text};
 use crate::session::{self, Change};
 use crate::shmem::{self, PolicyChange};
@@ -48,7 +50,8 @@ pub fn written(op: &str) -> Result<(), SlotError> {
         return Err(SlotError::NotLoaded);
     };
     let (adaptive, rated) = binding_at_commit();
-    let rows = rows_now(&ext).unwrap_or_else(|e| crate::report::fail(e));
+    let caps: BTreeSet<&String> = adaptive.keys().chain(rated.keys()).collect();
+    let rows = rows_now(&ext, caps).unwrap_or_else(|e| crate::report::fail(e));
     // What this transaction changes: the policies of the rows it wrote, and of those gone.
     let present: BTreeSet<&str> = rows.iter().map(|r| r.cap.as_str()).collect();
     let gone = |cap: &String| !present.contains(cap.as_str());
@@ -119,28 +122,34 @@ struct Row {
     rate: Option<Option<rates::RatePolicy>>,
 }
 
-/// Every counter row of this database, with the latest snapshot (`sql::read_latest`).
-fn rows_now(ext: &sql::Extension) -> Result<Vec<Row>, String> {
+/// The counter rows of this database that have a policy, or whose cap has one that binds at
+/// the commit (`caps`), with the latest snapshot (`sql::read_latest`). A cap of `caps` without
+/// a row has none.
+fn rows_now(ext: &sql::Extension, caps: BTreeSet<&String>) -> Result<Vec<Row>, String> {
+    let caps: Vec<Text> = caps.into_iter().map(|c| Text(c.clone())).collect();
     let mut rows = Vec::new();
-    sql::read_latest(&sql::policy_rows_query(ext), |r| {
-        let cap = r.get::<Text>(1)?.unwrap_or_default().0;
-        let here = r
-            .get::<i64>(2)?
-            .is_some_and(|x| sql::written_here(x as u32));
-        let adapt = match (r.get::<i32>(3)?, r.get::<i32>(4)?) {
-            (Some(min), Some(max)) => Some((min, max, r.get::<bool>(5)?.unwrap_or(true))),
-            _ => None,
-        };
-        let rate = match (r.get::<i32>(6)?, r.get::<i64>(7)?, r.get::<i32>(8)?) {
-            (Some(count), per_us, burst) => Some(rates::row_rate(
-                count,
-                per_us.unwrap_or(1_000_000),
-                burst.unwrap_or(1),
-            )),
-            _ => None,
-        };
-        rows.push((cap, here, adapt, rate));
-        Ok(())
+    let query = sql::policy_rows_query(ext);
+    gucs::index_scans(|| {
+        sql::read_latest(&query, &[caps.into()], |r| {
+            let cap = r.get::<Text>(1)?.unwrap_or_default().0;
+            let here = r
+                .get::<i64>(2)?
+                .is_some_and(|x| sql::written_here(x as u32));
+            let adapt = match (r.get::<i32>(3)?, r.get::<i32>(4)?) {
+                (Some(min), Some(max)) => Some((min, max, r.get::<bool>(5)?.unwrap_or(true))),
+                _ => None,
+            };
+            let rate = match (r.get::<i32>(6)?, r.get::<i64>(7)?, r.get::<i32>(8)?) {
+                (Some(count), per_us, burst) => Some(rates::row_rate(
+                    count,
+                    per_us.unwrap_or(1_000_000),
+                    burst.unwrap_or(1),
+                )),
+                _ => None,
+            };
+            rows.push((cap, here, adapt, rate));
+            Ok(())
+        })
     })?;
     rows.into_iter()
         .map(|(cap, here, adapt, rate)| {
