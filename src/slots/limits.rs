@@ -248,18 +248,18 @@ pub fn restore(ext: &sql::Extension) -> Result<(), String> {
 }
 
 /// An adaptive policy as this database's row keeps it.
-pub(super) struct AdaptRow {
-    pub cap: String,
-    pub bounds: Bounds,
-    pub enforce: bool,
+struct AdaptRow {
+    cap: String,
+    bounds: Bounds,
+    enforce: bool,
     /// The learned limit and baseline the flusher last wrote.
-    pub limit: Option<u32>,
-    pub baseline_us: Option<f64>,
+    limit: Option<u32>,
+    baseline_us: Option<f64>,
 }
 
 /// The adaptive policies of this database's rows (none before 0.9.0), their bounds as
 /// [`row_bounds`] reads them.
-pub(super) fn adapt_rows(ext: &sql::Extension) -> Result<Vec<AdaptRow>, String> {
+fn adapt_rows(ext: &sql::Extension) -> Result<Vec<AdaptRow>, String> {
     if !ext.version.has_adaptive() {
         return Ok(Vec::new());
     }

@@ -230,7 +230,7 @@ pub(super) type RatePolicy = (u32, u64, u32);
 
 /// The rate policies of this database's rows (none before 0.10.0), by the name or pattern they
 /// are on; None for a row that is not a valid rate.
-pub(super) fn rate_rows(ext: &sql::Extension) -> Result<Vec<(String, Option<RatePolicy>)>, String> {
+fn rate_rows(ext: &sql::Extension) -> Result<Vec<(String, Option<RatePolicy>)>, String> {
     if !ext.version.has_rates() {
         return Ok(Vec::new());
     }
