@@ -44,9 +44,8 @@ import psycopg
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "scripts"))
-from pgcluster import PG_CONFIG, Cluster, bindir  # noqa: E402
-
-import verdicts  # noqa: E402
+import verdicts
+from pgcluster import PG_CONFIG, Cluster, bindir
 
 PORT = 5660
 DB = "adaptive"
@@ -181,7 +180,7 @@ def ms(interval) -> float | None:
 def window(run: dict, start: float, end: float) -> dict:
     """Throughput and hold times of the requests completed in [start, end]."""
     holds = sorted(h for t, h in run["events"] if start <= t <= end)
-    pct = lambda q: holds[min(len(holds) - 1, int(q * len(holds)))] * 1e3 if holds else None  # noqa: E731
+    pct = lambda q: holds[min(len(holds) - 1, int(q * len(holds)))] * 1e3 if holds else None
     return {"tps": len(holds) / (end - start), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
             "completed": len(holds)}
 
@@ -299,7 +298,7 @@ def bench_simulated(conns: list, has_adapt: bool) -> dict:
         print(f"  simulated resource, capacity {k}, {CLIENTS} clients, {SERVICE_S * 1e3:.0f} ms "
               "a request", flush=True)
         res = Resource(k)
-        work = lambda c, res=res: res.call()  # noqa: E731
+        work = lambda c, res=res: res.call()
         r = {"static": statics(conns, f"sim{k}", work)}
         r["best"] = best(r["static"])
         if has_adapt:
@@ -359,7 +358,7 @@ def bench_cpu(conns: list, has_adapt: bool) -> dict:
     q = "SELECT count(*) FROM (SELECT generate_series(1, %s::int)) AS s"
     print(f"  CPU-bound SQL in the same server (count of {n_rows:,} rows, ~{SERVICE_S * 1e3:.0f} "
           f"ms on one core), {CLIENTS} clients", flush=True)
-    work = lambda c: c.execute(q, (n_rows,)).fetchone()  # noqa: E731
+    work = lambda c: c.execute(q, (n_rows,)).fetchone()
     r = {"rows": n_rows, "static": statics(conns, "cpu", work)}
     r["best"] = best(r["static"])
     if has_adapt:

@@ -58,7 +58,7 @@ def instructions(postgres: str, data: str, query: str,
     if re.search(r"\b(ERROR|FATAL|PANIC):  ", run.stdout + run.stderr):
         raise RuntimeError(f"{query} failed under callgrind:\n{run.stdout}\n{run.stderr}")
     with open(out) as f:
-        total = re.search(r"^summary: (\d+)", f.read(), re.M)
+        total = re.search(r"^summary: (\d+)", f.read(), re.MULTILINE)
     os.unlink(out)
     return int(total.group(1))
 

@@ -43,9 +43,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "scripts"))
-from pgcluster import PG_CONFIG, Cluster  # noqa: E402
-
-import verdicts  # noqa: E402
+import verdicts
+from pgcluster import PG_CONFIG, Cluster
 
 PORT = 5670
 DB = "bounds"

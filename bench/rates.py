@@ -43,8 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-import verdicts  # noqa: E402
-from pgcluster import PG_CONFIG, Cluster  # noqa: E402
+import verdicts
+from pgcluster import PG_CONFIG, Cluster
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

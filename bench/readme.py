@@ -25,8 +25,8 @@ README = HERE.parent / "README.md"
 PAGES = [README, HERE.parent / "docs" / "benchmarks.md"]  # each has blocks
 BLOCK = re.compile(r"(<!-- bench/readme\.py: (?P<src>[^ #]+)(?:#(?P<part>[^>]+?))? -->\n)"
                    r"(?P<body>.*?)"
-                   r"(<!-- bench/readme\.py: end -->)", re.S)
-PART = re.compile(r"^<!-- part: (.+?) -->\n", re.M)
+                   r"(<!-- bench/readme\.py: end -->)", re.DOTALL)
+PART = re.compile(r"^<!-- part: (.+?) -->\n", re.MULTILINE)
 
 
 def parts(text: str) -> dict[str, str]:

@@ -24,13 +24,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "scripts"))
-import adaptive  # noqa: E402
-import latency_bounds  # noqa: E402
-import rates  # noqa: E402
-import shares  # noqa: E402
-import verdicts  # noqa: E402
-from pgbouncer import PgBouncer  # noqa: E402
-from pgcluster import PG_CONFIG, Cluster, bindir  # noqa: E402
+import adaptive
+import latency_bounds
+import rates
+import shares
+import verdicts
+from pgbouncer import PgBouncer
+from pgcluster import PG_CONFIG, Cluster, bindir
 from report import RESULTS, load_results, plot, write_results
 
 KEY = 20260725
@@ -391,7 +391,7 @@ def wake_latency(cluster: Cluster, acquire: str, release: str, waiters: int,
         raise RuntimeError("two sessions held the one slot at once")
     # The first 20 hand-offs warm up (connections, caches) and are left out.
     lat = sorted(events[j + 1][0] - events[j][0] for j in range(41, len(events) - 1, 2))
-    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3  # noqa: E731
+    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3
     return {"p50_ms": pct(0.5), "p99_ms": pct(0.99), "samples": len(lat)}
 
 

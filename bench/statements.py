@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from pgcluster import PG_CONFIG, Cluster, bindir  # noqa: E402
+from pgcluster import PG_CONFIG, Cluster, bindir
 
 SMALL, LARGE = 2_000, 6_000
 HOLD_ONE = "SELECT stage_e_try_slot('c0', 1);"
@@ -57,7 +57,7 @@ def instructions(postgres: str, data: str, text: str) -> int:
     if re.search(r"\b(ERROR|FATAL|PANIC):  ", run.stdout + run.stderr):
         raise RuntimeError(f"a statement failed under callgrind:\n{run.stdout[-2000:]}")
     with open(out) as f:
-        total = re.search(r"^summary: (\d+)", f.read(), re.M)
+        total = re.search(r"^summary: (\d+)", f.read(), re.MULTILINE)
     os.unlink(out)
     return int(total.group(1))
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pgcluster import Cluster, wait_for  # noqa: E402
+from pgcluster import Cluster, wait_for
 
 
 def show(title, cur):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pgcluster import Cluster  # noqa: E402
+from pgcluster import Cluster
 
 PROJECT = Path(__file__).resolve().parent.parent / "examples" / "django"
 RUNNER = PROJECT / "run_incident.py"

@@ -42,7 +42,6 @@ import urllib.request
 from pathlib import Path
 
 import psycopg
-
 from pgcluster import PG_CONFIG, bindir, wait_for
 
 NODES = ("n1", "n2")
@@ -243,7 +242,7 @@ class HACluster:
         os.chown(path, *self._owner())
 
     # -- bring-up ------------------------------------------------------------------------
-    def up(self) -> "HACluster":
+    def up(self) -> HACluster:
         """etcd, then n1 until it is the primary, then n2 until it streams from n1. Records
         the seconds each took in `timings`. Call it from a thread that lives as long as the
         cluster (the main thread): the kernel's parent-death signal follows the thread that

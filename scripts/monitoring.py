@@ -24,10 +24,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import psycopg
-
 from pgcluster import Cluster
 
 POOL_MODES = ("session", "transaction", "statement")
@@ -110,7 +109,7 @@ class PgBouncer:
         (self.dir / "userlist.txt").write_text('"postgres" ""\n')
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self, timeout: float = 10.0) -> "PgBouncer":
+    def start(self, timeout: float = 10.0) -> PgBouncer:
         """Starts PgBouncer and returns once a query through it has reached the cluster."""
         if self.proc is not None:
             raise RuntimeError("this PgBouncer is already running")
@@ -188,7 +187,7 @@ class PgBouncer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def __enter__(self) -> "PgBouncer":
+    def __enter__(self) -> PgBouncer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -57,7 +57,7 @@ class Cluster:
             [*_as_owner(), *args], check=check, capture_output=True, text=True, cwd="/tmp"
         )
 
-    def init(self) -> "Cluster":
+    def init(self) -> Cluster:
         shutil.rmtree(self.base, ignore_errors=True)
         self.base.mkdir(parents=True)
         if os.geteuid() == 0:
@@ -84,7 +84,7 @@ class Cluster:
             pw = pwd.getpwnam("postgres")
             os.chown(conf, pw.pw_uid, pw.pw_gid)
 
-    def start(self, env: dict[str, str] | None = None) -> "Cluster":
+    def start(self, env: dict[str, str] | None = None) -> Cluster:
         """Starts the server; `env` adds variables to its environment."""
         extra = [f"{k}={v}" for k, v in (env or {}).items()]
         self._run(*(["env", *extra] if extra else []), str(self.bin / "pg_ctl"), "-D",
@@ -138,7 +138,7 @@ class Cluster:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
-    def start_as_standby_of(self, primary: "Cluster") -> "Cluster":
+    def start_as_standby_of(self, primary: Cluster) -> Cluster:
         """Makes this (not yet initialised) cluster a streaming standby of `primary`
         (pg_basebackup -R) and starts it."""
         self.base.mkdir(parents=True, exist_ok=True)

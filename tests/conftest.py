@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from pgcluster import PG_CONFIG, Cluster, wait_for  # noqa: E402
+from pgcluster import PG_CONFIG, Cluster, wait_for
 
 KEY = 20260725  # the documented default stage_e_slots.lock_key
 
@@ -119,7 +119,7 @@ def slot_lock_holders(conn, n=None):
     return sorted(r for r in rows if n is None or r[0] < n)
 
 
-__all__ = ["one", "stats", "slot_lock_holders", "wait_for", "KEY"]
+__all__ = ["KEY", "one", "slot_lock_holders", "stats", "wait_for"]
 
 
 def cap_locks(conn, cap):

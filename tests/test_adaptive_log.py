@@ -8,8 +8,7 @@ from datetime import datetime, timedelta
 
 import pytest
 from pgcluster import wait_for
-from test_adaptive import (Clients, Service, ac, aconnect, adapt, adapt_off, adb,  # noqa: F401
-                           limit_of, moves)
+from test_adaptive import Clients, Service, ac, aconnect, adapt, adapt_off, adb, limit_of, moves  # noqa: F401
 
 
 def test_policy_changes_and_moves_of_the_limit_are_logged(ac, aconnect, adb):

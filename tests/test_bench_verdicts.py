@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from verdicts import FAIL, NOISY, PASS, failed, ratios, table, tally, target, verdict  # noqa: E402
+from verdicts import FAIL, NOISY, PASS, failed, ratios, table, tally, target, verdict
 
 
 @pytest.mark.parametrize("values,op,mark,expected", [

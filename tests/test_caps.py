@@ -5,10 +5,9 @@ import time
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import KEY, cap_locks, one, slot_lock_holders, stats
 from pgcluster import Cluster, wait_for
+from psycopg import errors
 
 # Two names whose lock keys collide (found by search; src/directory.rs pins them too).
 COLLIDING = ("c128898", "c153422")

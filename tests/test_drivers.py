@@ -19,7 +19,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import cap_locks, one, wait_for
 from pgcluster import Cluster
 
@@ -273,7 +272,7 @@ def test_the_readme_shows_the_lines_the_programs_run():
     """Each line of README's "From your language" blocks is a line of its program here."""
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## From your language\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.DOTALL)
     programs = ["node/quickstart.js", "asyncpg_quickstart.py", "psycopg3_quickstart.py",
                 "psycopg2_quickstart.py", "quickstart.rb", "go/quickstart.go", "Quickstart.java"]
     assert [lang for lang, _ in blocks] == ["js", "python", "python", "python", "ruby", "go",

@@ -2,10 +2,9 @@
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import KEY, extension_calls, one, slot_lock_holders, stats
 from pgcluster import Cluster, bindir, wait_for
+from psycopg import errors
 
 BAD_CALLS = [
     ("SELECT stage_e_try_slot(NULL)", "n must not be NULL"),

@@ -6,10 +6,9 @@ import re
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import KEY, extension_calls, one, slot_lock_holders, stats
 from pgcluster import Cluster, bindir, wait_for
+from psycopg import errors
 
 COLS = ["acquired", "throttled", "released", "foreign_releases", "released_by_exit"]
 
@@ -295,12 +294,11 @@ def test_a_flush_in_a_rolled_back_savepoint_loses_nothing_and_counts_nothing_twi
         assert (flushed(s), pending(s), totals(s)["throttled"]) == (10, 0, 10)
         # ...and is undone with a transaction that rolls back.
         throttle(s, 1)
-        with pytest.raises(psycopg.Error):
-            with s.transaction():
-                s.execute("SAVEPOINT a")
-                s.execute("SELECT stage_e_flush()")
-                s.execute("RELEASE SAVEPOINT a")
-                s.execute("SELECT 1/0")
+        with pytest.raises(psycopg.Error), s.transaction():
+            s.execute("SAVEPOINT a")
+            s.execute("SELECT stage_e_flush()")
+            s.execute("RELEASE SAVEPOINT a")
+            s.execute("SELECT 1/0")
         assert (flushed(s), pending(s), totals(s)["throttled"]) == (10, 1, 11)
         assert stats(s)["throttled"] == 11
     holder.close()
@@ -735,9 +733,8 @@ def test_members_operators_and_readers_get_what_postgresql_gives_them(roles, con
     # A superuser's lease is beyond pg_signal_backend, as a superuser's backend is.
     su = connect("su")
     slot, token = lease_of(su, "m", 3, "1 h")
-    with roles["ops"]() as ops:
-        with pytest.raises(errors.InsufficientPrivilege):
-            ops.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token))
+    with roles["ops"]() as ops, pytest.raises(errors.InsufficientPrivilege):
+        ops.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token))
     assert su.execute("SELECT stage_e_release_lease('m', %s, %s)", (slot, token)
                       ).fetchone()[0] is True
 

@@ -17,12 +17,11 @@ import time
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import cap_locks, one
 from pgcluster import Cluster, wait_for
+from psycopg import errors
 from test_leases import holders, lease, release_lease, renew, slot_token
-from test_lifecycle import crash_restart, clean_restart, held_back, wait_journaled
+from test_lifecycle import clean_restart, crash_restart, held_back, wait_journaled
 
 NAME = "café"
 LONGEST = "é" * 31 + "x"  # 63 bytes in UTF-8 (32 in LATIN1): the longest name

@@ -11,7 +11,6 @@ import time
 
 import psycopg
 import pytest
-
 from conftest import one
 from pgcluster import PG_CONFIG, Cluster, wait_for
 

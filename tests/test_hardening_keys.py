@@ -11,8 +11,6 @@ cap's locks really use. Each test fails on 0.6.0 (refused with 42710, or the key
 The squatting names below were found by brute force over `sq<n>`, as an attacker would."""
 
 import pytest
-from psycopg import errors
-
 from conftest import one
 from pgcluster import Cluster
 

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import one
 from pgcluster import Cluster, wait_for
+from psycopg import errors
 
 MAX_CAPS = 32
 MAX_LEASES = 16

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-
 from conftest import one
 from pgcluster import Cluster, wait_for
 

@@ -18,10 +18,9 @@ import time
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import cap_locks, one, stats
 from pgcluster import Cluster, children_of, proc_state, wait_for
+from psycopg import errors
 from test_leases import holders, lease, lease_rows, release_lease, slot_token
 
 MAX_CAPS = 16

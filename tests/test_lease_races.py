@@ -9,11 +9,18 @@ import threading
 import time
 
 import pytest
-
 from conftest import one, stats
 from pgcluster import Cluster, proc_state, wait_for
-from test_leases import (LAUNCHER, freed_by, holders, launcher_paused, lease, release_lease,
-                         server_now, wait_past)
+from test_leases import (
+    LAUNCHER,
+    freed_by,
+    holders,
+    launcher_paused,
+    lease,
+    release_lease,
+    server_now,
+    wait_past,
+)
 
 
 @pytest.fixture(scope="module")

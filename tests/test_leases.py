@@ -21,10 +21,9 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import cap_locks, one, stats
 from pgcluster import Cluster, children_of, proc_state, wait_for  # noqa: F401 (re-exported)
+from psycopg import errors
 
 # The LOG line of an expiry, with the log_line_prefix ('%m [%p] %a: ') pid of who freed it.
 EXPIRY = re.compile(

@@ -23,12 +23,22 @@ from datetime import datetime, timedelta
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import one, stats
 from pgcluster import Cluster, wait_for
-from test_leases import (Call, Notices, children_of, hammer_until_free, holders, lease,
-                         proc_state, release_lease, renew, server_now, slot_token)
+from psycopg import errors
+from test_leases import (
+    Call,
+    Notices,
+    children_of,
+    hammer_until_free,
+    holders,
+    lease,
+    proc_state,
+    release_lease,
+    renew,
+    server_now,
+    slot_token,
+)
 
 DB = "app"
 MARGIN = timedelta(milliseconds=200)
@@ -719,22 +729,21 @@ def test_idle_caps_rows_are_written_once_not_over_and_over():
     lease ended gets its horizon brought down once: then nothing is written for either, however
     long they stay idle (a row written for its floor alone must not look like a horizon to bring
     down, every 2 s, forever)."""
-    with running("life_idle") as c:
-        with c.connect(DB) as s:
-            assert try_slot(s, "sess", 2) == 0
-            assert one(s, "SELECT stage_e_release('sess', 0)") is True
-            slot, token = lease(s, "gone", 1, "1 s")
-            assert one(s, "SELECT stage_e_release_lease('gone', %s, %s)", (slot, token)) is True
-            wait_for(lambda: one(s, "SELECT count(*) FROM stage_e_lease_horizon WHERE "
-                                    "cap = 'sess' OR (cap = 'gone' AND horizon <= now())") == 2,
-                     timeout=30, interval=0.2, what="both rows written, gone's brought down")
-            # The statistics of those writes (sess's row, gone's, gone's brought down) arrive
-            # when the processes that wrote them report: at least these three, then the window.
-            wait_for(lambda: horizon_row_writes(s) >= 3, timeout=30, interval=0.2,
-                     what="the statistics of the rows' writes")
-            before = horizon_row_writes(s)
-            time.sleep(6)
-            assert horizon_row_writes(s) == before
+    with running("life_idle") as c, c.connect(DB) as s:
+        assert try_slot(s, "sess", 2) == 0
+        assert one(s, "SELECT stage_e_release('sess', 0)") is True
+        slot, token = lease(s, "gone", 1, "1 s")
+        assert one(s, "SELECT stage_e_release_lease('gone', %s, %s)", (slot, token)) is True
+        wait_for(lambda: one(s, "SELECT count(*) FROM stage_e_lease_horizon WHERE "
+                                "cap = 'sess' OR (cap = 'gone' AND horizon <= now())") == 2,
+                 timeout=30, interval=0.2, what="both rows written, gone's brought down")
+        # The statistics of those writes (sess's row, gone's, gone's brought down) arrive
+        # when the processes that wrote them report: at least these three, then the window.
+        wait_for(lambda: horizon_row_writes(s) >= 3, timeout=30, interval=0.2,
+                 what="the statistics of the rows' writes")
+        before = horizon_row_writes(s)
+        time.sleep(6)
+        assert horizon_row_writes(s) == before
 
 
 # -- 7. bad settings ---------------------------------------------------------------------------
@@ -743,18 +752,17 @@ def test_idle_caps_rows_are_written_once_not_over_and_over():
                                           ("stage_e_slots.lease_horizon_margin", "2s")])
 def test_a_bad_lifecycle_setting_is_refused_with_class_22(name, default):
     with running(f"life_bad_{name.split('.')[1]}",
-                 {"stage_e_slots.lease_horizon_margin": None}) as c:
-        with c.connect(DB) as s:
-            assert one(s, f"SHOW {name}") == default
-            for bad in ["-1s", "-1", "-5 min", "soon"]:
-                with pytest.raises(errors.InvalidParameterValue) as err:
-                    s.execute(f"ALTER SYSTEM SET {name} = '{bad}'")
-                assert err.value.diag.sqlstate == "22023"
-                # A session setting it: refused too (22023, or 55P02 if it is not a session's).
-                for call in [f"SET {name} = '{bad}'",
-                             f"SELECT set_config('{name}', '{bad}', false)"]:
-                    with pytest.raises(psycopg.Error) as err:
-                        s.execute(call)
-                    assert err.value.diag.sqlstate in ("22023", "55P02"), call
-            assert one(s, f"SHOW {name}") == default
-            assert name not in (c.data / "postgresql.auto.conf").read_text()
+                 {"stage_e_slots.lease_horizon_margin": None}) as c, c.connect(DB) as s:
+        assert one(s, f"SHOW {name}") == default
+        for bad in ["-1s", "-1", "-5 min", "soon"]:
+            with pytest.raises(errors.InvalidParameterValue) as err:
+                s.execute(f"ALTER SYSTEM SET {name} = '{bad}'")
+            assert err.value.diag.sqlstate == "22023"
+            # A session setting it: refused too (22023, or 55P02 if it is not a session's).
+            for call in [f"SET {name} = '{bad}'",
+                         f"SELECT set_config('{name}', '{bad}', false)"]:
+                with pytest.raises(psycopg.Error) as err:
+                    s.execute(call)
+                assert err.value.diag.sqlstate in ("22023", "55P02"), call
+        assert one(s, f"SHOW {name}") == default
+        assert name not in (c.data / "postgresql.auto.conf").read_text()

@@ -22,13 +22,20 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-
 from conftest import one, stats
-from monitoring import (PROMTOOL, Exporter, Prometheus, binary, dashboard_queries,
-                        exporter_dsn, grafana_expr)
 from pgcluster import Cluster, wait_for
 from test_leases import lease
 from test_waiting import Waiter
+
+from monitoring import (
+    PROMTOOL,
+    Exporter,
+    Prometheus,
+    binary,
+    dashboard_queries,
+    exporter_dsn,
+    grafana_expr,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 QUERIES = ROOT / "monitoring" / "postgres_exporter.yaml"
@@ -88,7 +95,7 @@ def documented_metrics():
 
 
 def alert_names():
-    return re.findall(r"^\s*- alert: (\w+)\s*$", ALERTS.read_text(), re.M)
+    return re.findall(r"^\s*- alert: (\w+)\s*$", ALERTS.read_text(), re.MULTILINE)
 
 
 # -- /metrics ----------------------------------------------------------------------------------

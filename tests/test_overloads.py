@@ -9,10 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-
-from psycopg import errors
-
 from conftest import FUNCTION_SAMPLES, extension_calls, extension_signatures, one
+from psycopg import errors
 
 # The extension's functions: name, argument types, how many have defaults.
 FUNCTIONS = """
@@ -181,7 +179,7 @@ def test_every_function_of_the_catalog_has_a_sample_and_a_kind(connect):
     assert {kind for kind, _ in FUNCTION_SAMPLES.values()} == {"acts", "reads"}
     names = {sig.split("(")[0] for sig in FUNCTION_SAMPLES}
     table = README.read_text().split("\n### Functions\n", 1)[1].split("\n### ", 1)[0]
-    documented = set(re.findall(r"^\| `(stage_e_\w+)\(", table, re.M))
+    documented = set(re.findall(r"^\| `(stage_e_\w+)\(", table, re.MULTILINE))
     assert len(documented) >= 20 and documented <= names, documented - names
     called = [call for _, _, call in extension_calls(c)]
     # The wait forms, the lease functions, try_slots, reset_stats(cap), adapt with and

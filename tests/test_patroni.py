@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import psycopg
 import pytest
-
 from hacluster import HACluster
 from pgcluster import wait_for
 

@@ -13,7 +13,6 @@ import time
 from datetime import timedelta
 
 import pytest
-
 from conftest import one, stats, wait_for
 from pgbouncer import PgBouncer
 

@@ -7,9 +7,8 @@ the attack, then that each remedy it names stops it. The planting role has CONNE
 
 import psycopg
 import pytest
-from psycopg import errors
-
 from conftest import one
+from psycopg import errors
 
 PLANT = ("CREATE FUNCTION public.stage_e_try_slot(cap text, n text) RETURNS integer "
          "LANGUAGE sql AS 'SELECT 42'")

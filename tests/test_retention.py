@@ -5,7 +5,6 @@ caps in use, and only quiet lease horizon rows."""
 import time
 
 import pytest
-
 from conftest import one
 from pgcluster import Cluster, wait_for
 

@@ -5,9 +5,7 @@ import signal
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
-import psycopg
 import pytest
-
 from conftest import KEY, one, slot_lock_holders, stats, wait_for
 
 

@@ -2,15 +2,14 @@
 with data and holders, against the current library; and the updated schema against a fresh install's."""
 
 import re
-import tomllib
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from psycopg import errors
-
+import tomllib
 from conftest import KEY, one, slot_lock_holders
 from pgcluster import Cluster, wait_for
+from psycopg import errors
 
 # Every object of the extension, described without OIDs: functions (arguments, result,
 # volatility, parallel safety, strictness, SECURITY DEFINER, SET options, C symbol, privileges,

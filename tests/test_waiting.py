@@ -12,10 +12,9 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from psycopg import errors
-
-from conftest import KEY, cap_locks, one, slot_lock_holders, stats
+from conftest import cap_locks, one, stats
 from pgcluster import Cluster, wait_for
+from psycopg import errors
 
 
 def waiters(conn, cap=None):

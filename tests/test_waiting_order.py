@@ -9,10 +9,9 @@ import time
 from datetime import timedelta
 
 import pytest
-from psycopg import errors
-
 from conftest import cap_locks, one, stats
 from pgcluster import wait_for
+from psycopg import errors
 from test_waiting import Waiter, queued, waiters
 
 N = 8
