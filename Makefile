@@ -156,7 +156,7 @@ layers:
 
 lint: deps
 	python3 scripts/layers.py
-	.venv/bin/ruff check --config python/pyproject.toml python tests/python
+	.venv/bin/ruff check --config python/pyproject.toml python tests bench scripts
 	.venv/bin/python scripts/generate_sync.py --check
 	cd python && ../.venv/bin/mypy --strict src/stage_e_slots
 	cargo fmt --all --check

@@ -374,7 +374,7 @@ def pgbench(cluster: Cluster, pg_config: str, script: Path, clients: int, second
            "-j", str(min(clients, 2)), "-T", str(seconds), "-U", "postgres"]
     for k, v in variables.items():
         cmd += ["-D", f"{k}={v}"]
-    out = subprocess.run(cmd + [DB], capture_output=True, text=True)
+    out = subprocess.run(cmd + [DB], capture_output=True, text=True, check=False)
     m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
     failed = re.search(r"number of failed transactions: (\d+)", out.stdout)
     if out.returncode != 0 or not m or (failed and int(failed.group(1))):
@@ -513,25 +513,26 @@ def report(r: dict) -> str:
                          f"{v['throttles']} |")
         lines.append("")
     rows = r.get("targets") or targets(r)
-    lines += [f"Targets against a static cap: {CMP_ROUNDS} rounds of {CMP_S} s of the adaptive cap "
-              "(as learned) and that static cap in turn, the ratio taken within each round; "
-              f"PASS or FAIL only when every round agrees ({verdicts.tally(rows)}).", ""]
+    lines += [(f"Targets against a static cap: {CMP_ROUNDS} rounds of {CMP_S} s of the adaptive "
+               "cap (as learned) and that static cap in turn, the ratio taken within each round; "
+               f"PASS or FAIL only when every round agrees ({verdicts.tally(rows)})."), ""]
     lines += verdicts.table(rows)
     # Not a target: the smallest static n near the best throughput has the lowest p99 a cap
     # can have, and a controller that must probe one slot above it to find out whether the
     # capacity grew pays for those probes in its p99.
-    lines += ["", "| p99 hold against the knee (reported, not a target) | adaptive | knee "
-              "static | ratio |", "| --- | ---: | ---: | ---: |"]
+    lines += ["", ("| p99 hold against the knee (reported, not a target) | adaptive | knee "
+                   "static | ratio |"), "| --- | ---: | ---: | ---: |"]
     for title, parts in [(f"simulated resource, k={k}", r["simulated"][k])
                          for k in r["simulated"]] + [("CPU-bound SQL", r["cpu"])]:
         if "adaptive" in parts:
             a, b = parts["adaptive"], parts["best"]
             lines.append(f"| {title} (knee n={b['knee_n']}) | {a['p99_ms']:.1f} ms | "
                          f"{b['knee_p99_ms']:.1f} ms | {a['p99_ms'] / b['knee_p99_ms']:.2f}x |")
-    lines += ["", f"Adaptive figures are taken from {SETTLED_FROM_S} s after a fresh start (or a "
-              "capacity change, or the settling if later); static ones after the first "
-              f"{WARMUP_S} s. Hold time: client-side, slot acquired to release sent. The knee "
-              f"static: the smallest n within {KNEE:.0%} of the best static throughput."]
+    lines += ["", (f"Adaptive figures are taken from {SETTLED_FROM_S} s after a fresh start (or "
+                   "a capacity change, or the settling if later); static ones after the first "
+                   f"{WARMUP_S} s. Hold time: client-side, slot acquired to release sent. The "
+                   f"knee static: the smallest n within {KNEE:.0%} of the best static "
+                   "throughput.")]
     return "\n".join(lines)
 
 

@@ -46,7 +46,8 @@ def instructions(postgres: str, data: str, query: str,
                  settings: list[str] | None = None) -> int:
     """What the single-user backend runs for `query`; `settings` replace the default
     `-c shared_preload_libraries=stage_e_slots` (give it among them)."""
-    out = tempfile.NamedTemporaryFile(suffix=".callgrind", delete=False).name
+    with tempfile.NamedTemporaryFile(suffix=".callgrind", delete=False) as tmp:
+        out = tmp.name
     os.chmod(out, 0o666)
     owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     run = subprocess.run([*owner, "valgrind", "--tool=callgrind",
@@ -103,7 +104,7 @@ def main(pg_config: str = PG_CONFIG, small: int = SMALL, large: int = LARGE,
     finally:
         c.destroy()
     commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse",
-                             "--short", "HEAD"], capture_output=True, text=True
+                             "--short", "HEAD"], capture_output=True, text=True, check=False
                             ).stdout.strip() or "unknown"
     r = {"commit": commit, "version": version, "server": server, "iterations": [small, large],
          "per_call": per_call, "ratios": {}}
@@ -124,9 +125,9 @@ def main(pg_config: str = PG_CONFIG, small: int = SMALL, large: int = LARGE,
 
 def report(r: dict) -> str:
     p = r["per_call"]
-    lines = [f"stage_e_slots {r['version']} on PostgreSQL {r['server']}, commit {r['commit']}: "
-             f"instructions per iteration of a PL/pgSQL loop (callgrind, {r['iterations'][1]:,} "
-             f"minus {r['iterations'][0]:,} iterations).", "",
+    lines = [(f"stage_e_slots {r['version']} on PostgreSQL {r['server']}, commit {r['commit']}: "
+              f"instructions per iteration of a PL/pgSQL loop (callgrind, {r['iterations'][1]:,} "
+              f"minus {r['iterations'][0]:,} iterations)."), "",
              "| in-server, one iteration | instructions | against | ratio |",
              "| --- | ---: | ---: | ---: |"]
     for name, base, label in (("stage_e_slots", "SQL advisory locks",

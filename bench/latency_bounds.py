@@ -264,9 +264,9 @@ def targets(r: dict) -> list[dict]:
 
 
 def report(r: dict) -> str:
-    lines = [f"stage_e_slots {r['version']} on PostgreSQL {r['server']}: what only a waiter's "
-             f"own look (every {r['recheck_ms']} ms) finds, {r['raw_unlock']['trials']} trials "
-             "each.", "",
+    lines = [(f"stage_e_slots {r['version']} on PostgreSQL {r['server']}: what only a waiter's "
+              f"own look (every {r['recheck_ms']} ms) finds, {r['raw_unlock']['trials']} trials "
+              "each."), "",
              "| latency (ms) | median | min | max | wanted | |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
     rows = r.get("targets") or targets(r)

@@ -325,10 +325,10 @@ def report(r: dict) -> str:
                      f"{a.get('window_max_possible', '?')} | {a.get('span_max_ms', 0):.1f} ms |")
     if "composed" in r:
         b = r["composed"]
-        lines += ["", "| composed: n = 4, 20/s, 16 clients waiting up to 2 s, holding 10 ms | "
-                      "figure |", "| --- | ---: |",
-                  f"| admitted in {b['seconds']} s | {b['grants']:,} "
-                  f"({b['per_second']:.1f}/s) |",
+        lines += ["", ("| composed: n = 4, 20/s, 16 clients waiting up to 2 s, holding 10 ms | "
+                       "figure |"), "| --- | ---: |",
+                  (f"| admitted in {b['seconds']} s | {b['grants']:,} "
+                   f"({b['per_second']:.1f}/s) |"),
                   f"| most admitted in a 1 s window | {b['window_max']} |",
                   f"| most held at once (pg_locks, sampled) | {b['held_max']} |",
                   f"| waits that timed out | {b['timeouts']:,} |"]

@@ -13,6 +13,7 @@ bench/report.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import statistics
@@ -65,7 +66,7 @@ def pgbench_run(cluster: Cluster | PgBouncer, script: str, clients: int, *,
         cmd += ["-R", str(rate)]
     for k, v in variables.items():
         cmd += ["-D", f"{k}={v}"]
-    out = subprocess.run(cmd + ["bench"], capture_output=True, text=True)
+    out = subprocess.run(cmd + ["bench"], capture_output=True, text=True, check=False)
     m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
     tx = re.search(r"number of transactions actually processed: (\d+)", out.stdout)
     failed = re.search(r"number of failed transactions: (\d+)", out.stdout)
@@ -142,12 +143,16 @@ def bench_pairs(cluster: Cluster) -> tuple[dict, dict]:
     for clients in (1, 8, 32):
         print(f"  acquire+release pair, {clients} client(s)", flush=True)
         out[clients], per_round[clients] = rounds({
-            "raw advisory pair": lambda: pgbench(cluster, "pair_raw.sql", clients),
-            "stage_e_slots": lambda: pgbench(cluster, "pair_stage_e.sql", clients, n=64),
-            "stage_e_slots, named cap": lambda: pgbench(cluster, "pair_stage_e_named.sql",
-                                                        clients, n=64),
-            "PL/pgSQL loop": lambda: pgbench(cluster, "pair_plpgsql.sql", clients, n=64),
-            "table semaphore": lambda: pgbench(cluster, "pair_table.sql", clients),
+            "raw advisory pair":
+                lambda clients=clients: pgbench(cluster, "pair_raw.sql", clients),
+            "stage_e_slots":
+                lambda clients=clients: pgbench(cluster, "pair_stage_e.sql", clients, n=64),
+            "stage_e_slots, named cap":
+                lambda clients=clients: pgbench(cluster, "pair_stage_e_named.sql", clients, n=64),
+            "PL/pgSQL loop":
+                lambda clients=clients: pgbench(cluster, "pair_plpgsql.sql", clients, n=64),
+            "table semaphore":
+                lambda clients=clients: pgbench(cluster, "pair_table.sql", clients),
         })
     return out, per_round
 
@@ -362,7 +367,7 @@ def wake_latency(cluster: Cluster, acquire: str, release: str, waiters: int,
                         events.append((released, "released"))
                         if taken[0] >= samples + 20:
                             stop.set()
-                        cond.wait_for(lambda: taken[0] > seen or stop.is_set())
+                        cond.wait_for(lambda seen=seen: taken[0] > seen or stop.is_set())
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
             stop.set()
@@ -403,7 +408,7 @@ def bench_wake(cluster: Cluster) -> dict:
     for waiters in (1, 64):
         print(f"  wake latency: {waiters} waiter(s) on a cap of one slot, {ROUNDS} rounds of "
               f"{WAKE_SAMPLES} hand-offs", flush=True)
-        runs = {name: (lambda a=a, r=r: wake_latency(cluster, a, r, waiters))
+        runs = {name: (lambda a=a, r=r, waiters=waiters: wake_latency(cluster, a, r, waiters))
                 for name, (a, r) in WAKE_CONTENDERS.items()}
         # stage_e_slots next to the floor it is compared with.
         _, seen = rounds(runs, median=False)
@@ -535,10 +540,8 @@ def idle_waiter_cpu(cluster: Cluster, count: int, seconds: float, periods: int) 
     total = seconds * periods
 
     def wait_in(c) -> None:
-        try:
+        with contextlib.suppress(Exception):  # cancelled below, once measured
             c.execute(f"SELECT stage_e_try_slot('idle', 1, '{total + 30} s')")
-        except Exception:  # noqa: BLE001 - cancelled below, once measured
-            pass
 
     threads = [threading.Thread(target=wait_in, args=(c,)) for c in conns]
     for t in threads:
@@ -553,9 +556,9 @@ def idle_waiter_cpu(cluster: Cluster, count: int, seconds: float, periods: int) 
         """(seconds on a CPU, times put on a CPU, clock-tick seconds of utime + stime), summed."""
         ns = runs = ticks = 0
         for pid in pids:
-            fields = open(f"/proc/{pid}/schedstat").read().split()
+            fields = Path(f"/proc/{pid}/schedstat").read_text().split()
             ns, runs = ns + int(fields[0]), runs + int(fields[2])
-            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(stat[11]) + int(stat[12])
         return ns / 1e9, runs, ticks / os.sysconf("SC_CLK_TCK")
 
@@ -702,7 +705,8 @@ def targets(r: dict) -> list[dict]:
 
 def commit() -> str:
     return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip() or "unknown"
+                          capture_output=True, text=True, check=False
+                          ).stdout.strip() or "unknown"
 
 
 def partial(argv: list[str]) -> int:

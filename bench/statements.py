@@ -36,17 +36,18 @@ SMALL, LARGE = 2_000, 6_000
 HOLD_ONE = "SELECT stage_e_try_slot('c0', 1);"
 WORKLOADS = {
     "default pair": ("", "SELECT stage_e_try_slot(8);\nSELECT stage_e_release(0);"),
-    "named pair": ("", "SELECT stage_e_try_slot('tenant:42', 8);\n"
-                       "SELECT stage_e_release('tenant:42', 0);"),
-    "SQL advisory pair": ("", "SELECT pg_try_advisory_lock(1, 2);\n"
-                              "SELECT pg_advisory_unlock(1, 2);"),
+    "named pair": ("", ("SELECT stage_e_try_slot('tenant:42', 8);\n"
+                        "SELECT stage_e_release('tenant:42', 0);")),
+    "SQL advisory pair": ("", ("SELECT pg_try_advisory_lock(1, 2);\n"
+                               "SELECT pg_advisory_unlock(1, 2);")),
     "throttled try": (HOLD_ONE, "SELECT stage_e_try_slot('c0', 1);"),
     "abs(1)": ("", "SELECT abs(1);"),
 }
 
 
 def instructions(postgres: str, data: str, text: str) -> int:
-    out = tempfile.NamedTemporaryFile(suffix=".callgrind", delete=False).name
+    with tempfile.NamedTemporaryFile(suffix=".callgrind", delete=False) as tmp:
+        out = tmp.name
     os.chmod(out, 0o666)
     owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
     run = subprocess.run([*owner, "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",

@@ -21,9 +21,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 from pgcluster import Cluster
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 POOL_MODES = ("session", "transaction", "statement")
 
@@ -109,7 +113,7 @@ class PgBouncer:
         (self.dir / "userlist.txt").write_text('"postgres" ""\n')
 
     # -- lifecycle -----------------------------------------------------------------------
-    def start(self, timeout: float = 10.0) -> PgBouncer:
+    def start(self, timeout: float = 10.0) -> Self:
         """Starts PgBouncer and returns once a query through it has reached the cluster."""
         if self.proc is not None:
             raise RuntimeError("this PgBouncer is already running")
@@ -187,7 +191,7 @@ class PgBouncer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def __enter__(self) -> PgBouncer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -8,10 +8,13 @@ from datetime import datetime, timedelta
 
 import pytest
 from pgcluster import wait_for
+
+# ac, aconnect and adb are test_adaptive's fixtures: pytest passes them to the tests below by
+# parameter name, which reads to ruff as an unused import (F401) then redefined (F811).
 from test_adaptive import Clients, Service, ac, aconnect, adapt, adapt_off, adb, limit_of, moves  # noqa: F401
 
 
-def test_policy_changes_and_moves_of_the_limit_are_logged(ac, aconnect, adb):
+def test_policy_changes_and_moves_of_the_limit_are_logged(ac, aconnect, adb):  # noqa: F811
     """stage_e_adapt logs, at its commit, who made which cap of which database adaptive
     between which bounds and whether enforced (a rolled-back call logs nothing), and
     stage_e_adapt_off who returned it; the controller's first move (slow start from min_slots = 1 to 2)
@@ -45,7 +48,7 @@ def test_policy_changes_and_moves_of_the_limit_are_logged(ac, aconnect, adb):
 
 
 @pytest.mark.one_major
-def test_moves_left_out_of_the_log_are_counted_in_its_next_line(ac, adb):
+def test_moves_left_out_of_the_log_are_counted_in_its_next_line(ac, adb):  # noqa: F811
     """The README: a cap's moves are logged at most one line every 10 s, and the ones left out
     are counted in the next. Slow start from 1 moves the limit every window or so; the line
     after the first, at least 10 s later (the service shrunk to force a move then), says how

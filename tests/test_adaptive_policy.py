@@ -244,8 +244,8 @@ def test_a_prepared_transaction_may_not_change_a_policy(aconnect):
     nothing changes."""
     c, observer = aconnect(), aconnect("observer")
     for call in ["SELECT stage_e_adapt('prepared', 1, 4)", "SELECT stage_e_adapt_off('kept')",
-                 "INSERT INTO stage_e_throttle_counter (cap, adapt_min, adapt_max) "
-                 "VALUES ('prepared', 1, 4)"]:
+                 ("INSERT INTO stage_e_throttle_counter (cap, adapt_min, adapt_max) "
+                  "VALUES ('prepared', 1, 4)")]:
         c.execute("BEGIN")
         c.execute(call)
         with pytest.raises(errors.FeatureNotSupported, match="cannot PREPARE a transaction "

@@ -396,7 +396,7 @@ def test_clean_restart_loses_nothing(mode):
 def test_a_crash_loses_exactly_the_counts_since_the_last_flush():
     c = _restart_cluster("crash", "1h")
     try:
-        holder = held_cap(c, "app")
+        _holder = held_cap(c, "app")  # kept open, holding the slot the tries throttle on
         with c.connect("app") as s:
             throttle(s, 100)
             s.execute("SELECT stage_e_flush()")

@@ -177,8 +177,8 @@ def test_a_superuser_with_a_hostile_search_path_runs_none_of_its_objects(hc, own
                                "SELECT * FROM public.stage_e_flush()",
                                "INSERT INTO public.stage_e_share_policy VALUES ('k', 'h', 1, 1)",
                                "DELETE FROM public.stage_e_share_policy",
-                               "UPDATE public.stage_e_throttle_counter SET adapt_min = NULL "
-                               "WHERE cap OPERATOR(pg_catalog.=) 'k'"]
+                               ("UPDATE public.stage_e_throttle_counter SET adapt_min = NULL "
+                                "WHERE cap OPERATOR(pg_catalog.=) 'k'")]
         su.execute("SET search_path = evil, pg_catalog")
         for call in calls:
             su.execute(call)

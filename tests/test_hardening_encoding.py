@@ -224,8 +224,8 @@ def test_another_client_encoding_names_the_same_cap(ec, opened):
     other.add_notice_handler(lambda d: notices.append((d.message_primary, d.message_detail)))
     assert one(other, "SELECT stage_e_release(%s, 0)", (NAME,)) is False
     assert notices == [(f'slot 0 of cap "{NAME}" was not held by this connection',
-                        f'Slot 0 of cap "{NAME}" is held by pid {holder.info.backend_pid}; '
-                        "it keeps the slot.")]
+                        (f'Slot 0 of cap "{NAME}" is held by pid {holder.info.backend_pid}; '
+                         "it keeps the slot."))]
     # An ERROR that names the cap, in the LATIN1 client's encoding.
     slot, token = lease(holder, NAME + "!", 1, "1 min")
     holder.execute("DROP ROLE IF EXISTS enc_other")

@@ -208,7 +208,7 @@ def test_lock_timeout_of_1ms_does_not_fail_a_flush_behind_a_row_lock(fc):
         assert throttle(s.worker, 1) == 1
         settle(fc, s, (1, 1))
         as_owner(fc, db, f'ALTER DATABASE "{db}" SET lock_timeout = \'1ms\'')
-        pid, still = with_row_locked(fc, s, db, hold=0.3)
+        _pid, still = with_row_locked(fc, s, db, hold=0.3)
         assert still, "the flusher stopped waiting for the lock"
         settle(fc, s, (1, 4))
     finally:
@@ -257,7 +257,7 @@ def test_transaction_timeout_does_not_end_a_flusher_waiting_for_a_lock(fc, how):
         else:
             fc.sql(f'ALTER ROLE postgres IN DATABASE "{db}" SET transaction_timeout = \'100ms\'')
         log_from = len(fc.log_text())
-        pid, still = with_row_locked(fc, s, db, hold=0.4)
+        _pid, still = with_row_locked(fc, s, db, hold=0.4)
         assert still, "the flusher did not outlive transaction_timeout"
         settle(fc, s, (1, 4))
         assert "transaction timeout" not in fc.log_text()[log_from:]

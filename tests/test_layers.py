@@ -14,7 +14,7 @@ SCRIPT = ROOT / "scripts" / "layers.py"
 
 def layers(src):
     return subprocess.run([sys.executable, str(SCRIPT), str(src)], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, check=False)
 
 
 def copied(tmp_path):

@@ -137,7 +137,8 @@ def test_a_lease_taken_by_a_waiter_woken_by_a_sweep_still_expires(fast):
                 f"is still held at {server_now(p)}, and the acquisition was throttled")
             assert one(p, "SELECT stage_e_release('nat', 0)") is True
             # Both leases ended as expiries (each logged once, by whoever freed it).
-            by = wait_for(lambda: freed_by(fast.log_text()[since:], "nat", first, token),
+            by = wait_for(lambda first=first, token=token:
+                          freed_by(fast.log_text()[since:], "nat", first, token),
                           timeout=5, what=f"round {attempt}'s expiry LOG lines")
             assert by[token] in (launcher, p.info.backend_pid, w.info.backend_pid), by
             freers.append("launcher" if by[first] == launcher else by[first])
@@ -163,17 +164,19 @@ def test_a_lease_taken_while_its_cap_is_being_swept_still_expires(tmp_path):
             launcher = one(a, LAUNCHER)
             assert one(a, "SELECT stage_e_try_slots('race', 6, 5)") == [0, 1, 2, 3, 4]
             ready, hit, go = (tmp_path / n for n in ("ready", "hit", "go"))
-            gdb_out = open(tmp_path / "gdb.out", "w")
-            gdb = subprocess.Popen(
-                ["gdb", "-p", str(launcher), "-batch", "-nx",
-                 "-ex", "handle SIGUSR1 SIGUSR2 SIGHUP SIGPIPE SIGURG SIGALRM nostop noprint pass",
-                 "-ex", "break stage_e_slots::shmem::Cap::end_lease",
-                 "-ex", f"shell touch {ready}",
-                 "-ex", "continue",
-                 "-ex", f"shell touch {hit}",
-                 "-ex", f"shell while [ ! -e {go} ]; do sleep 0.02; done",
-                 "-ex", "delete", "-ex", "detach"],
-                stdout=gdb_out, stderr=subprocess.STDOUT)
+            # gdb writes into a descriptor of its own: ours is closed once it has started.
+            with open(tmp_path / "gdb.out", "w") as gdb_out:
+                gdb = subprocess.Popen(
+                    ["gdb", "-p", str(launcher), "-batch", "-nx",
+                     "-ex",
+                     "handle SIGUSR1 SIGUSR2 SIGHUP SIGPIPE SIGURG SIGALRM nostop noprint pass",
+                     "-ex", "break stage_e_slots::shmem::Cap::end_lease",
+                     "-ex", f"shell touch {ready}",
+                     "-ex", "continue",
+                     "-ex", f"shell touch {hit}",
+                     "-ex", f"shell while [ ! -e {go} ]; do sleep 0.02; done",
+                     "-ex", "delete", "-ex", "detach"],
+                    stdout=gdb_out, stderr=subprocess.STDOUT)
             wait_for(ready.exists, timeout=120, what="gdb to attach")
             since = len(c.log_text())
             # The only lease: slot 5, expiring in 100 ms; then slots 0-4 are freed.
@@ -191,7 +194,6 @@ def test_a_lease_taken_while_its_cap_is_being_swept_still_expires(tmp_path):
             go.touch()
             assert gdb.wait(30) == 0
             gdb = None
-            gdb_out.close()
             assert re.search(r"Breakpoint 1, .*stage_e_slots::shmem::Cap::end_lease",
                              (tmp_path / "gdb.out").read_text())
             # The stopped sweep was the launcher's, ending slot 5's lease.

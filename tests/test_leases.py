@@ -375,7 +375,7 @@ def test_a_double_release_returns_false_the_second_time(connect):
     s = stats(c, "dbl")
     assert (s["released"], s["foreign_releases"]) == (1, 1)
     # The second release freed nothing that a new holder took meanwhile.
-    slot2, token2 = lease(c, "dbl", 1, "30 s")
+    _slot2, token2 = lease(c, "dbl", 1, "30 s")
     assert release_lease(c, "dbl", slot, token) is False
     assert lease_rows(c, "dbl")[0][2] == token2
 
@@ -801,9 +801,8 @@ def test_max_lease_ttl_is_a_superuser_setting_that_bounds_every_ttl(connect, clu
     cluster.sql("CREATE ROLE ttl_user LOGIN")
     try:
         cluster.sql(f'GRANT CONNECT ON DATABASE "{db}" TO ttl_user')
-        with cluster.connect(db, user="ttl_user") as u:
-            with pytest.raises(errors.InsufficientPrivilege):
-                u.execute("SET stage_e_slots.max_lease_ttl = '10 days'")
+        with cluster.connect(db, user="ttl_user") as u, pytest.raises(errors.InsufficientPrivilege):
+            u.execute("SET stage_e_slots.max_lease_ttl = '10 days'")
         c.execute("SET stage_e_slots.max_lease_ttl = '2 s'")
         with pytest.raises(errors.InvalidParameterValue) as err:
             lease(c, "bound", 1, "3 s")

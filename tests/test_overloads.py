@@ -68,7 +68,7 @@ def test_every_call_resolves_with_untyped_parameters(connect):
             ("stage_e_reset_stats", 0), ("stage_e_reset_stats", 1),
             ("stage_e_snapshot", 0), ("stage_e_adapt", 3), ("stage_e_adapt", 4),
             ("stage_e_adapt_off", 1)} <= names
-    assert len(every) == len(set((n, k, tuple(t)) for n, k, t, _ in every))
+    assert len(every) == len({(n, k, tuple(t)) for n, k, t, _ in every})
     assert unresolved(c) == []
 
 

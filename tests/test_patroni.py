@@ -158,7 +158,8 @@ class Client(threading.Thread):
                     self.conn.close()
                     self.conn = None
             self.finish()
-        except BaseException as e:  # a bug here: the test reports it instead of hanging on it
+        # A bug here: the test reports it instead of hanging on it.
+        except BaseException as e:  # noqa: BLE001
             self.failure = e
             self.stop.set()
 

@@ -519,7 +519,7 @@ def test_expired_leases_are_freed_while_the_freed_slot_is_leased_again(cluster, 
             stop = threading.Event()
             errors = []
 
-            def client(conn):
+            def client(conn, stop=stop, errors=errors):
                 try:
                     while not stop.is_set():
                         conn.execute(churn, (cap,))

@@ -373,7 +373,7 @@ def test_wait_and_hold_times_reach_the_rows_totals_and_snapshot(connect):
                        "WHERE cap = 'm'").fetchone()
     assert t == (1, s["wait_time"], s["hold_time"])
     snap = one(holder, "SELECT stage_e_snapshot()")
-    m = [cap for cap in snap["caps"] if cap["cap"] == "m"][0]
+    m = next(cap for cap in snap["caps"] if cap["cap"] == "m")
     assert m["totals"]["waits"] == 1
     assert m["totals"]["hold_time"] == round(s["hold_time"].total_seconds() * 1e6)
 
