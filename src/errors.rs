@@ -265,6 +265,18 @@ pub fn describe(e: &SlotError) -> Described {
                     .into(),
             ),
         ),
+        SlotError::NotOurTable { function, table } => said(
+            ERRCODE_E_R_I_E_TRIGGER_PROTOCOL_VIOLATED,
+            format!("{function}() fires only on the extension's table {table}"),
+            format!(
+                "A trigger runs {function}() on another table; the statement was rolled back, \
+                 and no policy changed."
+            ),
+            Some(format!(
+                "Drop that trigger: policies are changed through the extension's functions, or \
+                 by writing {table} itself."
+            )),
+        ),
         SlotError::NoRatePolicyRecord { max } => said(
             ERRCODE_CONFIGURATION_LIMIT_EXCEEDED,
             "stage_e_slots has no room for another rate policy".into(),

@@ -70,6 +70,12 @@ pub enum SlotError {
     BadRateRow {
         on: String,
     },
+    /// One of the extension's trigger functions fired on a table other than the one it is for
+    /// (a role attached it to a table of its own).
+    NotOurTable {
+        function: &'static str,
+        table: &'static str,
+    },
     /// Every rate policy record is in use (`stage_e_slots.max_rate_policies`).
     NoRatePolicyRecord {
         max: u32,

@@ -266,6 +266,25 @@ pub fn written_here(xid: u32) -> bool {
     unsafe { pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(xid)) }
 }
 
+/// The schema of trigger function `function`, quoted, if `table` is that schema's `name`: the
+/// extension's own table for one of its trigger functions, which live in the extension's schema
+/// (moved with it by `ALTER EXTENSION ... SET SCHEMA`). None for any other table, as when a
+/// role attached the function to a table of its own. Catalog caches only, no SQL: the triggers
+/// run after every statement that writes their tables.
+pub fn own_table_schema(function: pg_sys::Oid, table: pg_sys::Oid, name: &CStr) -> Option<String> {
+    // SAFETY: syscache lookups inside a transaction (a trigger runs in one); the palloc'd
+    // strings are copied at once. get_func_namespace returns InvalidOid for a function gone.
+    unsafe {
+        let schema = pg_sys::get_func_namespace(function);
+        if schema == pg_sys::InvalidOid || pg_sys::get_relname_relid(name.as_ptr(), schema) != table
+        {
+            return None;
+        }
+        let plain = pg_sys::get_namespace_name(schema);
+        (!plain.is_null()).then(|| owned(pg_sys::quote_identifier(plain)))
+    }
+}
+
 /// `current_database()`, without SQL.
 pub fn current_database() -> String {
     // SAFETY: a syscache lookup of our own database inside a transaction; the palloc'd copy is
@@ -329,7 +348,7 @@ pub fn counter_caps_query(ext: &Extension) -> String {
 /// (`slots::edited`): `(cap, xmin as int8, adapt min, max, enforce, rate count, per in µs,
 /// burst)`. Both parts use an index (the partial one on policy rows, the primary key), so a
 /// restore of one INSERT per row reads no more than the policies at each.
-pub fn policy_rows_query(ext: &Extension) -> String {
+pub fn policy_rows_query(schema: &str) -> String {
     let columns = "t.cap, (t.xmin::pg_catalog.text)::pg_catalog.int8, \
                    t.adapt_min, t.adapt_max, t.adapt_enforce, t.rate_count, \
                    (pg_catalog.date_part('epoch', t.rate_per) \
@@ -340,8 +359,7 @@ pub fn policy_rows_query(ext: &Extension) -> String {
         "SELECT {columns} FROM {schema}.stage_e_throttle_counter AS t WHERE {policy} \
          UNION ALL \
          SELECT {columns} FROM {schema}.stage_e_throttle_counter AS t \
-          WHERE t.cap OPERATOR(pg_catalog.=) ANY ($1::pg_catalog.text[]) AND NOT {policy}",
-        schema = ext.schema
+          WHERE t.cap OPERATOR(pg_catalog.=) ANY ($1::pg_catalog.text[]) AND NOT {policy}"
     )
 }
 

@@ -390,6 +390,42 @@ def test_a_row_edited_past_its_check_into_no_rate_is_refused_and_changes_nothing
     admin.execute("SELECT stage_e_rate_limit_off('hand-bad')")
 
 
+def test_the_policy_triggers_fire_only_on_the_extensions_own_tables(pc, admin):
+    """A role may copy a policy table's shape, but may not attach the extension's trigger
+    functions to its copy (no EXECUTE); a superuser who does gets 39P01 at its first write:
+    the write is rolled back, no policy binds and no line says a policy table was written."""
+    pc.sql("DROP ROLE IF EXISTS rate_copier")
+    pc.sql("CREATE ROLE rate_copier LOGIN")
+    pc.sql(f'GRANT CONNECT ON DATABASE "{DB}" TO rate_copier', DB)
+    pc.sql("GRANT CREATE ON SCHEMA public TO rate_copier", DB)
+    pairs = (("counter_copy", "stage_e_throttle_counter", "stage_e_throttle_counter_written"),
+             ("share_copy", "stage_e_share_policy", "stage_e_share_policy_written"))
+    with pc.connect(DB, user="rate_copier") as u:
+        for copy, table, function in pairs:
+            u.execute(f"CREATE TABLE {copy} (LIKE {table} INCLUDING DEFAULTS)")
+            with pytest.raises(errors.InsufficientPrivilege):
+                u.execute(f"CREATE TRIGGER steer AFTER INSERT ON {copy} "
+                          f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()")
+    logged = pc.log_text().count("wrote stage_e_share_policy")
+    for copy, table, function in pairs:
+        admin.execute(f"CREATE TRIGGER steer AFTER INSERT ON {copy} "
+                      f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()")
+    with pytest.raises(errors.TriggerProtocolViolated) as err:
+        admin.execute("INSERT INTO counter_copy (cap, rate_count, rate_per, rate_burst) "
+                      "VALUES ('copied', 1, '1 h', 1)")
+    assert err.value.diag.message_primary == ("stage_e_throttle_counter_written() fires only on the "
+                              "extension's table stage_e_throttle_counter")
+    with pytest.raises(errors.TriggerProtocolViolated):
+        admin.execute("INSERT INTO share_copy (cap, share, weight) VALUES ('copied', 'a', 3)")
+    assert one(admin, "SELECT count(*) FROM counter_copy") == 0
+    assert one(admin, "SELECT count(*) FROM stage_e_rate_limits WHERE cap = 'copied'") == 0
+    with pc.connect(DB, "w") as w:
+        assert [take(w, "copied", 4) for _ in range(3)] == [0, 1, 2], "no rate binds"
+    assert pc.log_text().count("wrote stage_e_share_policy") == logged
+    for copy, _, _ in pairs:
+        admin.execute(f"DROP TABLE {copy}")
+
+
 def test_policies_survive_a_clean_restart_and_a_crash(pc, admin):
     """1 an hour on 'kept' and on every 'kept:...' cap, each spent once: after a clean restart
     (the keys kept exactly) and after a crash (every key starts spent) both are still refused,

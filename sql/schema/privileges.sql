@@ -12,3 +12,7 @@ REVOKE EXECUTE ON FUNCTION stage_e_rate_limit_off(text) FROM PUBLIC;
 -- A share's weight and ceiling bind every role that uses the cap, and are kept in
 -- stage_e_share_policy: the same.
 REVOKE EXECUTE ON FUNCTION stage_e_share(text, text, integer, integer) FROM PUBLIC;
+-- The policy tables' trigger functions: CREATE TRIGGER needs EXECUTE, and no role but the
+-- extension's tables has use for them (each refuses to fire on any other table too).
+REVOKE EXECUTE ON FUNCTION stage_e_throttle_counter_written() FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION stage_e_share_policy_written() FROM PUBLIC;

@@ -161,6 +161,23 @@ impl FromCounter for Interval {
 }
 
 /// A `wait` argument: NULL or negative is class 22.
+/// The schema (quoted) of `table`, the one table the extension's trigger function `function`
+/// is for; an ERROR if it fired on any other (a role attached it to a table of its own, where
+/// its writes would be taken for policy changes and logged as such).
+fn own_table(
+    trigger: &PgTrigger<'_>,
+    table: &'static std::ffi::CStr,
+    function: &'static str,
+) -> String {
+    let fired_on = trigger.relid().unwrap_or(pg_sys::InvalidOid);
+    sql::own_table_schema(trigger.trigger().tgfoid, fired_on, table).unwrap_or_else(|| {
+        raise(SlotError::NotOurTable {
+            function,
+            table: table.to_str().unwrap_or_default(),
+        })
+    })
+}
+
 fn to_wait(wait: Option<Interval>) -> Wait {
     wait.ok_or(SlotError::NullArgument { name: "wait" })
         .and_then(|w| {
@@ -215,6 +232,8 @@ extension_sql_file!(
         adapt::stage_e_adapt_off,
         rates::stage_e_rate_limit,
         rates::stage_e_rate_limit_off,
-        shares::stage_e_share
+        shares::stage_e_share,
+        adapt::stage_e_throttle_counter_written,
+        shares::stage_e_share_policy_written
     ],
 );

@@ -35,6 +35,11 @@ fn stage_e_share_policy_written<'a>(
     trigger: &'a PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, PgTriggerError> {
     let op = trigger.op()?;
+    super::own_table(
+        trigger,
+        c"stage_e_share_policy",
+        "stage_e_share_policy_written",
+    );
     hooks::ensure(); // moves the database's generation of share policies at the commit
     slots::shares::policy_written(&op.to_string());
     Ok(None)

@@ -34,7 +34,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// A statement that wrote `stage_e_throttle_counter` (`op`: INSERT, UPDATE, DELETE or
 /// TRUNCATE), from the table's trigger: the policies its rows now say bind from the commit.
-pub fn written(op: &str) -> Result<(), SlotError> {
+/// `schema` is the table's (quoted), which the trigger checked is the extension's table.
+pub fn written(op: &str, schema: &str) -> Result<(), SlotError> {
     if sql::writing_ours() || super::attached().is_err() {
         // Ours: the function that wrote queued its change. Not attached (the library is not
         // preloaded): no policy binds anywhere, and a restore must still fill the table.
@@ -46,12 +47,9 @@ pub fn written(op: &str) -> Result<(), SlotError> {
     if super::admission::ensure_loaded().is_err() {
         return Ok(());
     }
-    let Some(ext) = sql::extension() else {
-        return Err(SlotError::NotLoaded);
-    };
     let (adaptive, rated) = binding_at_commit();
     let caps: BTreeSet<&String> = adaptive.keys().chain(rated.keys()).collect();
-    let rows = rows_now(&ext, caps).unwrap_or_else(|e| crate::report::fail(e));
+    let rows = rows_now(schema, caps).unwrap_or_else(|e| crate::report::fail(e));
     // What this transaction changes: the policies of the rows it wrote, and of those gone.
     let present: BTreeSet<&str> = rows.iter().map(|r| r.cap.as_str()).collect();
     let gone = |cap: &String| !present.contains(cap.as_str());
@@ -125,10 +123,10 @@ struct Row {
 /// The counter rows of this database that have a policy, or whose cap has one that binds at
 /// the commit (`caps`), with the latest snapshot (`sql::read_latest`). A cap of `caps` without
 /// a row has none.
-fn rows_now(ext: &sql::Extension, caps: BTreeSet<&String>) -> Result<Vec<Row>, String> {
+fn rows_now(schema: &str, caps: BTreeSet<&String>) -> Result<Vec<Row>, String> {
     let caps: Vec<Text> = caps.into_iter().map(|c| Text(c.clone())).collect();
     let mut rows = Vec::new();
-    let query = sql::policy_rows_query(ext);
+    let query = sql::policy_rows_query(schema);
     gucs::index_scans(|| {
         sql::read_latest(&query, &[caps.into()], |r| {
             let cap = r.get::<Text>(1)?.unwrap_or_default().0;
