@@ -26,7 +26,7 @@ use pgrx::Spi;
 use stage_e_core::counters::CounterValues;
 use stage_e_core::histogram::BUCKETS;
 use stage_e_core::version::SchemaVersion;
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{CStr, CString};
 
 /// A read-only query session with the search path pinned; assigns no transaction id.
@@ -201,12 +201,15 @@ pub fn extension() -> Option<Extension> {
 /// transaction committed before it began and this transaction's own writes, as the
 /// referential-integrity triggers read (a trigger's own snapshot may predate a commit of another
 /// session's that shared memory already shows). `each` reads the rows.
+///
+/// The plan is kept for the backend's life ([`kept_plan`]), as the referential-integrity
+/// triggers keep theirs: a trigger that reads after every statement would otherwise parse and
+/// plan its query every time (most of its cost for a restore of one INSERT per row).
 pub fn read_latest(
     query: &str,
     args: &[DatumWithOid<'_>],
     mut each: impl FnMut(&SpiHeapTupleData<'_>) -> spi::Result<()>,
 ) -> Result<(), String> {
-    let query = CString::new(query).map_err(|e| e.to_string())?;
     let mut types: Vec<pg_sys::Oid> = args.iter().map(|a| a.oid()).collect();
     let mut values: Vec<pg_sys::Datum> = args
         .iter()
@@ -221,16 +224,11 @@ pub fn read_latest(
         .collect();
     gucs::pinned(|| {
         Spi::connect(|_| {
-            // SAFETY: inside the SPI connection just made, with `types`, `values` and `nulls`
-            // one per parameter; the plan and the rows it returns live in the connection's
-            // memory, freed when it ends, and are read before.
+            let plan = kept_plan(query, &mut types)?;
+            // SAFETY: inside the SPI connection just made, with a kept plan of `types.len()`
+            // parameters and `values` and `nulls` one per parameter; the rows it returns live
+            // in the connection's memory, freed when it ends, and are read before.
             unsafe {
-                let plan =
-                    pg_sys::SPI_prepare(query.as_ptr(), types.len() as i32, types.as_mut_ptr());
-                if plan.is_null() {
-                    let code = std::ptr::addr_of!(pg_sys::SPI_result).read();
-                    return Err(format!("SPI_prepare failed: {code}"));
-                }
                 // read_only = false: the snapshot's command id is advanced first, so the rows
                 // this statement wrote are seen (as `ri_PerformCheck` does).
                 let rc = pg_sys::SPI_execute_snapshot(
@@ -258,6 +256,44 @@ pub fn read_latest(
         })
     })
 }
+
+/// The plan of `query` (with parameters of `types`), prepared at its first use in this backend
+/// and kept (`SPI_keepplan`). PostgreSQL's plan cache revalidates it: DDL on the table it reads
+/// (an update of the extension, a dropped index) or another search path has it parsed and
+/// planned again at its next execution. One plan is kept: a different text (the extension moved
+/// to another schema) frees the old one. Called inside an SPI connection.
+fn kept_plan(query: &str, types: &mut [pg_sys::Oid]) -> Result<pg_sys::SPIPlanPtr, String> {
+    if let Some(plan) = KEPT.with_borrow(|k| {
+        k.as_ref()
+            .filter(|(text, _)| text == query)
+            .map(|&(_, plan)| plan)
+    }) {
+        return Ok(plan);
+    }
+    let text = CString::new(query).map_err(|e| e.to_string())?;
+    // SAFETY: inside the caller's SPI connection, with `types` one per parameter. A kept plan
+    // lives in its own memory context under CacheMemoryContext until SPI_freeplan, and is
+    // stored only once kept; the old one is freed only after the new one is kept, so an ERROR
+    // on the way leaves the old one stored and valid.
+    unsafe {
+        let plan = pg_sys::SPI_prepare(text.as_ptr(), types.len() as i32, types.as_mut_ptr());
+        if plan.is_null() {
+            let code = std::ptr::addr_of!(pg_sys::SPI_result).read();
+            return Err(format!("SPI_prepare failed: {code}"));
+        }
+        if pg_sys::SPI_keepplan(plan) != 0 {
+            return Err("SPI_keepplan failed".into());
+        }
+        if let Some((_, old)) = KEPT.with_borrow_mut(|k| k.replace((query.to_owned(), plan))) {
+            pg_sys::SPI_freeplan(old);
+        }
+        Ok(plan)
+    }
+}
+
+/// [`kept_plan`]'s plan and the query text it is of.
+static KEPT: BackendLocal<RefCell<Option<(String, pg_sys::SPIPlanPtr)>>> =
+    BackendLocal::new(RefCell::new(None));
 
 /// Whether transaction id `xid` (a row's `xmin`) is this transaction's, or one of its
 /// subtransactions' not rolled back: the row was written here.

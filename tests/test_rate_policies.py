@@ -426,6 +426,39 @@ def test_the_policy_triggers_fire_only_on_the_extensions_own_tables(pc, admin):
         admin.execute(f"DROP TABLE {copy}")
 
 
+def test_a_session_writes_by_hand_across_the_extension_dropped_and_made_again(pc):
+    """The trigger keeps its query's plan for the session's life: after DROP EXTENSION and
+    CREATE EXTENSION in the same session (a new table, new indexes), its next write by hand
+    reads the new table, and its policy binds; made again in another schema, too."""
+    db = pc.create_database("ratepol_again")
+    with pc.connect(db, "admin") as a, pc.connect(db, "w") as w:
+        release(w, "warm", take(w, "warm", 1))  # the database's policies loaded
+        table = "stage_e_throttle_counter"
+        a.execute(f"INSERT INTO {table} (cap, rate_count, rate_per, rate_burst) "
+                  "VALUES ('hand-before', 1, '1 h', 1)")  # the plan, kept
+        assert rows_policies(w)[0] == [("hand-before", 1, 1)]
+        a.execute("DROP EXTENSION stage_e_slots")
+        a.execute("CREATE EXTENSION stage_e_slots")
+        assert rows_policies(w)[0] == []
+        a.execute(f"INSERT INTO {table} (cap, rate_count, rate_per, rate_burst) "
+                  "VALUES ('hand-after', 1, '1 h', 1)")
+        assert rows_policies(w)[0] == [("hand-after", 1, 1)]
+        release(w, "hand-after", take(w, "hand-after", 4))
+        assert take(w, "hand-after", 4) is None  # 1 an hour, spent
+        # Made again in another schema: the query names it, so it is another plan.
+        a.execute("DROP EXTENSION stage_e_slots")
+        a.execute("CREATE SCHEMA elsewhere")
+        a.execute("CREATE EXTENSION stage_e_slots SCHEMA elsewhere")
+        for conn in (a, w):
+            conn.execute("SET search_path = elsewhere")
+        a.execute(f"INSERT INTO {table} (cap, rate_count, rate_per, rate_burst) "
+                  "VALUES ('hand-elsewhere', 1, '1 h', 1)")
+        assert rows_policies(w)[0] == [("hand-elsewhere", 1, 1)]
+        release(w, "hand-elsewhere", take(w, "hand-elsewhere", 4))
+        assert take(w, "hand-elsewhere", 4) is None
+    pc.sql(f'DROP DATABASE "{db}" WITH (FORCE)')
+
+
 def test_policies_survive_a_clean_restart_and_a_crash(pc, admin):
     """1 an hour on 'kept' and on every 'kept:...' cap, each spent once: after a clean restart
     (the keys kept exactly) and after a crash (every key starts spent) both are still refused,
