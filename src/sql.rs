@@ -167,6 +167,27 @@ pub struct Extension {
     pub schema: String,
     /// The version of its SQL objects (a database not yet updated keeps an older one).
     pub version: SchemaVersion,
+    /// Its schema's OID.
+    namespace: pg_sys::Oid,
+}
+
+impl Extension {
+    /// The extension's table `name`, None if its schema has no such table.
+    pub fn table(&self, name: &CStr) -> Option<Table> {
+        // SAFETY: a syscache lookup inside a transaction.
+        let oid = unsafe { pg_sys::get_relname_relid(name.as_ptr(), self.namespace) };
+        (oid != pg_sys::InvalidOid).then(|| Table {
+            schema: self.schema.clone(),
+            oid,
+        })
+    }
+}
+
+/// One of the extension's tables: its schema (quoted) for the statement's text, and its OID,
+/// whose owner reads it ([`as_owner`]).
+pub struct Table {
+    pub schema: String,
+    oid: pg_sys::Oid,
 }
 
 /// The extension in the current database, or None when it is not installed here.
@@ -174,7 +195,7 @@ pub fn extension() -> Option<Extension> {
     read(|c| {
         let row = c
             .select(
-                "SELECT pg_catalog.quote_ident(n.nspname), e.extversion::pg_catalog.text \
+                "SELECT pg_catalog.quote_ident(n.nspname), e.extversion::pg_catalog.text, n.oid \
                    FROM pg_catalog.pg_extension AS e \
                    JOIN pg_catalog.pg_namespace AS n \
                      ON n.oid OPERATOR(pg_catalog.=) e.extnamespace \
@@ -183,12 +204,14 @@ pub fn extension() -> Option<Extension> {
                 &[],
             )?
             .first();
+        let namespace = row.get::<pg_sys::Oid>(3)?.unwrap_or(pg_sys::InvalidOid);
         Ok(match (row.get::<Text>(1)?, row.get::<String>(2)?) {
             // A version this library does not know is a newer one whose library was replaced
             // by this older one: its objects have at least what the newest known version has.
             (Some(schema), Some(version)) => Some(Extension {
                 schema: crate::names::sql_identifier(schema.0),
                 version: SchemaVersion::parse(&version).unwrap_or(SchemaVersion::CURRENT),
+                namespace,
             }),
             _ => None,
         })
@@ -302,12 +325,12 @@ pub fn written_here(xid: u32) -> bool {
     unsafe { pg_sys::TransactionIdIsCurrentTransactionId(pg_sys::TransactionId::from(xid)) }
 }
 
-/// The schema of trigger function `function`, quoted, if `table` is that schema's `name`: the
+/// Table `table`, if it is the table `name` of trigger function `function`'s schema: the
 /// extension's own table for one of its trigger functions, which live in the extension's schema
 /// (moved with it by `ALTER EXTENSION ... SET SCHEMA`). None for any other table, as when a
 /// role attached the function to a table of its own. Catalog caches only, no SQL: the triggers
 /// run after every statement that writes their tables.
-pub fn own_table_schema(function: pg_sys::Oid, table: pg_sys::Oid, name: &CStr) -> Option<String> {
+pub fn own_table(function: pg_sys::Oid, table: pg_sys::Oid, name: &CStr) -> Option<Table> {
     // SAFETY: syscache lookups inside a transaction (a trigger runs in one); the palloc'd
     // strings are copied at once. get_func_namespace returns InvalidOid for a function gone.
     unsafe {
@@ -317,8 +340,46 @@ pub fn own_table_schema(function: pg_sys::Oid, table: pg_sys::Oid, name: &CStr) 
             return None;
         }
         let plain = pg_sys::get_namespace_name(schema);
-        (!plain.is_null()).then(|| owned(pg_sys::quote_identifier(plain)))
+        (!plain.is_null()).then(|| Table {
+            schema: owned(pg_sys::quote_identifier(plain)),
+            oid: table,
+        })
     }
+}
+
+/// Runs `f` (reads of `table`) as the table's owner, with row-level security not forced, as
+/// PostgreSQL's referential-integrity checks read: a policy table binds every role of a cap, so
+/// what it says must not depend on which rows the calling role may see, nor on whether it may
+/// read the table at all (the owner may hide rows from roles with a row-level policy, or
+/// revoke SELECT). The caller's identity is back when `f` returns, and when it raises (the
+/// guard's drop; a (sub)transaction's abort restores it too).
+pub fn as_owner<R>(table: &Table, f: impl FnOnce() -> R) -> R {
+    struct Restore(pg_sys::Oid, i32);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            // SAFETY: puts back the identity saved below.
+            unsafe { pg_sys::SetUserIdAndSecContext(self.0, self.1) }
+        }
+    }
+    let mut user = pg_sys::InvalidOid;
+    let mut context = 0;
+    // SAFETY: inside a transaction: the relation is opened under AccessShareLock (the read
+    // takes it anyway; held to the transaction's end) for its owner, then the identity is saved
+    // and switched as ri_PerformCheck switches it.
+    let _restore = unsafe {
+        let rel = pg_sys::table_open(table.oid, pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+        let owner = (*(*rel).rd_rel).relowner;
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
+        pg_sys::SetUserIdAndSecContext(
+            owner,
+            context
+                | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32
+                | pg_sys::SECURITY_NOFORCE_RLS as i32,
+        );
+        Restore(user, context)
+    };
+    f()
 }
 
 /// `current_database()`, without SQL.

@@ -426,6 +426,33 @@ def test_the_policy_triggers_fire_only_on_the_extensions_own_tables(pc, admin):
         admin.execute(f"DROP TABLE {copy}")
 
 
+def test_a_write_by_hand_sees_every_row_whatever_the_writer_may_see(pc):
+    """The owner lets a role write the rows of its own caps only (row-level security, and
+    SELECT revoked from PUBLIC): its UPDATE of its own cap's rate binds, and leaves the
+    policies of the rows it cannot see as they are (read as the writer, they looked gone and
+    were turned off at its commit)."""
+    db = pc.create_database("ratepol_rls")
+    pc.sql("DROP ROLE IF EXISTS team_a")
+    pc.sql("CREATE ROLE team_a LOGIN")
+    with pc.connect(db, "admin") as a:
+        a.execute("SELECT stage_e_rate_limit('hand-a', 1, '1 h', 1)")
+        a.execute("SELECT stage_e_rate_limit('hand-b', 1, '1 h', 1)")
+        a.execute("SELECT stage_e_adapt('hand-b', 1, 2)")
+        a.execute("ALTER TABLE stage_e_throttle_counter ENABLE ROW LEVEL SECURITY")
+        a.execute("CREATE POLICY own ON stage_e_throttle_counter TO team_a "
+                  "USING (cap LIKE 'hand-a%')")
+        a.execute("REVOKE SELECT ON stage_e_throttle_counter FROM PUBLIC")
+        a.execute("GRANT SELECT, UPDATE ON stage_e_throttle_counter TO team_a")
+        with pc.connect(db, "team", user="team_a") as t:
+            t.execute("UPDATE stage_e_throttle_counter SET rate_count = 2 WHERE cap = 'hand-a'")
+        assert rows_policies(a) == ([("hand-a", 2, 1), ("hand-b", 1, 1)], [("hand-b", 1, 2)])
+        with pc.connect(db, "w") as w:
+            release(w, "hand-b", take(w, "hand-b", 4))
+            assert take(w, "hand-b", 4) is None  # still 1 an hour
+    pc.sql(f'DROP DATABASE "{db}" WITH (FORCE)')
+    pc.sql("DROP ROLE team_a")
+
+
 def test_a_session_writes_by_hand_across_the_extension_dropped_and_made_again(pc):
     """The trigger keeps its query's plan for the session's life: after DROP EXTENSION and
     CREATE EXTENSION in the same session (a new table, new indexes), its next write by hand

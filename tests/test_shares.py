@@ -378,6 +378,39 @@ def test_stage_e_share_is_restricted(cluster, connect):
         admin.execute("DROP ROLE share_user")
 
 
+def test_a_policy_binds_roles_the_table_hides_it_from(cluster, connect, db):
+    """A policy binds every role of the cap, whatever the table lets the calling role see: with
+    row-level security showing each tenant role only its own share's rows, a tenant's share
+    without a row of its own is still held to the cap's '*' ceiling; with SELECT on the table
+    revoked from PUBLIC, a call in a share is still served, under its policy."""
+    admin = connect("admin")
+    admin.execute("DROP ROLE IF EXISTS tenant_t")
+    admin.execute("CREATE ROLE tenant_t LOGIN")
+    admin.execute("SELECT stage_e_share('hidden', '*', 1, 1)")
+    admin.execute("SELECT stage_e_share('hidden', 'tenant_t', 1, 2)")
+    admin.execute("SELECT stage_e_share('hidden', 'other', 1, 3)")
+    admin.execute("ALTER TABLE stage_e_share_policy ENABLE ROW LEVEL SECURITY")
+    admin.execute("CREATE POLICY own ON stage_e_share_policy USING (share = current_user)")
+    take = "SELECT stage_e_try_slot('hidden', 8, '0', %s)"
+    try:
+        with cluster.connect(db, "tenant", user="tenant_t") as t:
+            assert t.execute("SELECT share FROM stage_e_share_policy").fetchall() == [
+                ("tenant_t",)]
+            assert [one(t, take, ("tenant_t",)) for _ in range(3)] == [0, 1, None]
+            assert [one(t, take, ("new",)) for _ in range(2)] == [2, None]  # '*': 1
+            assert [one(t, take, ("other",)) for _ in range(4)] == [3, 4, 5, None]
+        admin.execute("DROP POLICY own ON stage_e_share_policy")
+        admin.execute("ALTER TABLE stage_e_share_policy DISABLE ROW LEVEL SECURITY")
+        admin.execute("REVOKE SELECT ON stage_e_share_policy FROM PUBLIC")
+        with cluster.connect(db, "tenant", user="tenant_t") as t:
+            with pytest.raises(errors.InsufficientPrivilege):
+                t.execute("SELECT share FROM stage_e_share_policy")
+            t.rollback()
+            assert [one(t, take, ("new",)) for _ in range(2)] == [0, None]
+    finally:
+        admin.execute("DROP ROLE tenant_t")
+
+
 def test_bad_share_input_is_class_22_and_changes_nothing(connect):
     c = connect()
     for call, params, code in [

@@ -43,13 +43,13 @@ fn stage_e_throttle_counter_written<'a>(
     trigger: &'a PgTrigger<'a>,
 ) -> Result<Option<PgHeapTuple<'a, AllocatedByPostgres>>, PgTriggerError> {
     let op = trigger.op()?;
-    let schema = super::own_table(
+    let table = super::own_table(
         trigger,
         c"stage_e_throttle_counter",
         "stage_e_throttle_counter_written",
     );
     hooks::ensure(); // applies the changes at the commit
-    slots::edited::written(&op.to_string(), &schema).unwrap_or_else(|e| raise(e));
+    slots::edited::written(&op.to_string(), &table).unwrap_or_else(|e| raise(e));
     Ok(None)
 }
 

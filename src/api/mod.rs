@@ -161,16 +161,16 @@ impl FromCounter for Interval {
 }
 
 /// A `wait` argument: NULL or negative is class 22.
-/// The schema (quoted) of `table`, the one table the extension's trigger function `function`
-/// is for; an ERROR if it fired on any other (a role attached it to a table of its own, where
+/// `table`, the one table the extension's trigger function `function` is for; an ERROR if it
+/// fired on any other (a role attached it to a table of its own, where
 /// its writes would be taken for policy changes and logged as such).
 fn own_table(
     trigger: &PgTrigger<'_>,
     table: &'static std::ffi::CStr,
     function: &'static str,
-) -> String {
+) -> sql::Table {
     let fired_on = trigger.relid().unwrap_or(pg_sys::InvalidOid);
-    sql::own_table_schema(trigger.trigger().tgfoid, fired_on, table).unwrap_or_else(|| {
+    sql::own_table(trigger.trigger().tgfoid, fired_on, table).unwrap_or_else(|| {
         raise(SlotError::NotOurTable {
             function,
             table: table.to_str().unwrap_or_default(),

@@ -34,8 +34,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// A statement that wrote `stage_e_throttle_counter` (`op`: INSERT, UPDATE, DELETE or
 /// TRUNCATE), from the table's trigger: the policies its rows now say bind from the commit.
-/// `schema` is the table's (quoted), which the trigger checked is the extension's table.
-pub fn written(op: &str, schema: &str) -> Result<(), SlotError> {
+/// `table` is the one the trigger fired on, which it checked is the extension's.
+pub fn written(op: &str, table: &sql::Table) -> Result<(), SlotError> {
     if sql::writing_ours() || super::attached().is_err() {
         // Ours: the function that wrote queued its change. Not attached (the library is not
         // preloaded): no policy binds anywhere, and a restore must still fill the table.
@@ -49,7 +49,7 @@ pub fn written(op: &str, schema: &str) -> Result<(), SlotError> {
     }
     let (adaptive, rated) = binding_at_commit();
     let caps: BTreeSet<&String> = adaptive.keys().chain(rated.keys()).collect();
-    let rows = rows_now(schema, caps).unwrap_or_else(|e| crate::report::fail(e));
+    let rows = rows_now(table, caps).unwrap_or_else(|e| crate::report::fail(e));
     // What this transaction changes: the policies of the rows it wrote, and of those gone.
     let present: BTreeSet<&str> = rows.iter().map(|r| r.cap.as_str()).collect();
     let gone = |cap: &String| !present.contains(cap.as_str());
@@ -121,32 +121,35 @@ struct Row {
 }
 
 /// The counter rows of this database that have a policy, or whose cap has one that binds at
-/// the commit (`caps`), with the latest snapshot (`sql::read_latest`). A cap of `caps` without
-/// a row has none.
-fn rows_now(schema: &str, caps: BTreeSet<&String>) -> Result<Vec<Row>, String> {
+/// the commit (`caps`), with the latest snapshot (`sql::read_latest`), read as the table's
+/// owner (`sql::as_owner`: every row, whatever the writing role may see). A cap of `caps`
+/// without a row has none.
+fn rows_now(table: &sql::Table, caps: BTreeSet<&String>) -> Result<Vec<Row>, String> {
     let caps: Vec<Text> = caps.into_iter().map(|c| Text(c.clone())).collect();
     let mut rows = Vec::new();
-    let query = sql::policy_rows_query(schema);
+    let query = sql::policy_rows_query(&table.schema);
     gucs::index_scans(|| {
-        sql::read_latest(&query, &[caps.into()], |r| {
-            let cap = r.get::<Text>(1)?.unwrap_or_default().0;
-            let here = r
-                .get::<i64>(2)?
-                .is_some_and(|x| sql::written_here(x as u32));
-            let adapt = match (r.get::<i32>(3)?, r.get::<i32>(4)?) {
-                (Some(min), Some(max)) => Some((min, max, r.get::<bool>(5)?.unwrap_or(true))),
-                _ => None,
-            };
-            let rate = match (r.get::<i32>(6)?, r.get::<i64>(7)?, r.get::<i32>(8)?) {
-                (Some(count), per_us, burst) => Some(rates::row_rate(
-                    count,
-                    per_us.unwrap_or(1_000_000),
-                    burst.unwrap_or(1),
-                )),
-                _ => None,
-            };
-            rows.push((cap, here, adapt, rate));
-            Ok(())
+        sql::as_owner(table, || {
+            sql::read_latest(&query, &[caps.into()], |r| {
+                let cap = r.get::<Text>(1)?.unwrap_or_default().0;
+                let here = r
+                    .get::<i64>(2)?
+                    .is_some_and(|x| sql::written_here(x as u32));
+                let adapt = match (r.get::<i32>(3)?, r.get::<i32>(4)?) {
+                    (Some(min), Some(max)) => Some((min, max, r.get::<bool>(5)?.unwrap_or(true))),
+                    _ => None,
+                };
+                let rate = match (r.get::<i32>(6)?, r.get::<i64>(7)?, r.get::<i32>(8)?) {
+                    (Some(count), per_us, burst) => Some(rates::row_rate(
+                        count,
+                        per_us.unwrap_or(1_000_000),
+                        burst.unwrap_or(1),
+                    )),
+                    _ => None,
+                };
+                rows.push((cap, here, adapt, rate));
+                Ok(())
+            })
         })
     })?;
     rows.into_iter()

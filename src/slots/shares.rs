@@ -144,20 +144,30 @@ fn read_policies(cap: &str) -> Result<CapPolicies, SlotError> {
     let Some(ext) = sql::extension().filter(|e| e.version.has_shares()) else {
         return Ok(CapPolicies::new());
     };
-    sql::read(|c| {
-        let mut out = CapPolicies::new();
-        for r in c.select(
-            &sql::share_policies_query(&ext),
-            None,
-            &[Text(cap.to_string()).into()],
-        )? {
-            let share = r.get::<Text>(1)?.unwrap_or_default().0;
-            // Rows a superuser edited past the checks' bounds: the nearest valid ones.
-            let weight = r.get::<i32>(2)?.unwrap_or(1).clamp(1, MAX_WEIGHT as i32) as u32;
-            let ceiling = r.get::<i32>(3)?.map_or(NO_CEILING, |m| m.max(1) as u32);
-            out.insert(share, (weight, ceiling));
-        }
-        Ok(out)
+    let Some(table) = ext.table(c"stage_e_share_policy") else {
+        crate::report::fail(format!(
+            "reading the share policies of a cap: schema {} has no table stage_e_share_policy",
+            ext.schema
+        ))
+    };
+    // As the table's owner: a policy binds every role of the cap, whichever rows the calling
+    // role may see.
+    sql::as_owner(&table, || {
+        sql::read(|c| {
+            let mut out = CapPolicies::new();
+            for r in c.select(
+                &sql::share_policies_query(&ext),
+                None,
+                &[Text(cap.to_string()).into()],
+            )? {
+                let share = r.get::<Text>(1)?.unwrap_or_default().0;
+                // Rows a superuser edited past the checks' bounds: the nearest valid ones.
+                let weight = r.get::<i32>(2)?.unwrap_or(1).clamp(1, MAX_WEIGHT as i32) as u32;
+                let ceiling = r.get::<i32>(3)?.map_or(NO_CEILING, |m| m.max(1) as u32);
+                out.insert(share, (weight, ceiling));
+            }
+            Ok(out)
+        })
     })
     .map_or_else(
         |e| crate::report::fail(format!("reading the share policies of a cap: {e}")),
