@@ -11,6 +11,9 @@
 //! - Reads go through read-only SPI ([`read`]), which assigns no transaction id: they work on a
 //!   standby and in `BEGIN READ ONLY`. (pgrx's `Spi::get_one`/`Spi::run` take the read-write
 //!   path and assign one.)
+//! - A read that decides what binds (a policy table's rows) runs as the table's owner, with
+//!   row-level security not forced ([`as_owner`]): what binds every role of a cap must not
+//!   depend on what the calling role may see.
 //!
 //! The statements' text is built here too ([`counter_add_query`] and the others), from the
 //! version of the database's objects. The extension scripts (`sql/`) follow the same rule for

@@ -456,7 +456,8 @@ def test_a_write_by_hand_sees_every_row_whatever_the_writer_may_see(pc):
 def test_a_session_writes_by_hand_across_the_extension_dropped_and_made_again(pc):
     """The trigger keeps its query's plan for the session's life: after DROP EXTENSION and
     CREATE EXTENSION in the same session (a new table, new indexes), its next write by hand
-    reads the new table, and its policy binds; made again in another schema, too."""
+    reads the new table, and its policy binds; made again in another schema, and after DISCARD
+    ALL, too."""
     db = pc.create_database("ratepol_again")
     with pc.connect(db, "admin") as a, pc.connect(db, "w") as w:
         release(w, "warm", take(w, "warm", 1))  # the database's policies loaded
@@ -464,6 +465,9 @@ def test_a_session_writes_by_hand_across_the_extension_dropped_and_made_again(pc
         a.execute(f"INSERT INTO {table} (cap, rate_count, rate_per, rate_burst) "
                   "VALUES ('hand-before', 1, '1 h', 1)")  # the plan, kept
         assert rows_policies(w)[0] == [("hand-before", 1, 1)]
+        a.execute("DISCARD ALL")  # a pooler's reset: every cached plan invalidated
+        a.execute(f"UPDATE {table} SET rate_count = 2 WHERE cap = 'hand-before'")
+        assert rows_policies(w)[0] == [("hand-before", 2, 1)]
         a.execute("DROP EXTENSION stage_e_slots")
         a.execute("CREATE EXTENSION stage_e_slots")
         assert rows_policies(w)[0] == []

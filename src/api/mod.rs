@@ -160,10 +160,9 @@ impl FromCounter for Interval {
     }
 }
 
-/// A `wait` argument: NULL or negative is class 22.
 /// `table`, the one table the extension's trigger function `function` is for; an ERROR if it
-/// fired on any other (a role attached it to a table of its own, where
-/// its writes would be taken for policy changes and logged as such).
+/// fired on any other (a role attached it to a table of its own, where its writes would be
+/// taken for policy changes and logged as such).
 fn own_table(
     trigger: &PgTrigger<'_>,
     table: &'static std::ffi::CStr,
@@ -178,6 +177,7 @@ fn own_table(
     })
 }
 
+/// A `wait` argument: NULL or negative is class 22.
 fn to_wait(wait: Option<Interval>) -> Wait {
     wait.ok_or(SlotError::NullArgument { name: "wait" })
         .and_then(|w| {

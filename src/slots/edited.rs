@@ -55,18 +55,22 @@ pub fn written(op: &str, table: &sql::Table) -> Result<(), SlotError> {
     let gone = |cap: &String| !present.contains(cap.as_str());
     let mut adapt_off: Vec<String> = adaptive.keys().filter(|c| gone(c)).cloned().collect();
     let mut rate_off: Vec<String> = rated.keys().filter(|c| gone(c)).cloned().collect();
-    let by = format!(
-        "stage_e_slots: role {} wrote stage_e_throttle_counter of database {} ({op})",
-        quoted(&sql::current_role()),
-        quoted(&sql::current_database()),
-    );
+    // Formatted only for a change: most statements written by hand change no policy.
+    let by = || {
+        format!(
+            "stage_e_slots: role {} wrote stage_e_throttle_counter of database {} ({op})",
+            quoted(&sql::current_role()),
+            quoted(&sql::current_database()),
+        )
+    };
     for r in rows.iter().filter(|r| r.here) {
         match r.adapt {
             Some(policy) if adaptive.get(&r.cap) != Some(&policy) => {
                 let (bounds, enforce) = policy;
                 let log = format!(
-                    "{by}, not through stage_e_adapt: cap {} is adaptive between {} and {} \
+                    "{}, not through stage_e_adapt: cap {} is adaptive between {} and {} \
                      slots ({})",
+                    by(),
                     quoted(&r.cap),
                     bounds.min,
                     bounds.max,
@@ -82,7 +86,8 @@ pub fn written(op: &str, table: &sql::Table) -> Result<(), SlotError> {
             Some(None) => return Err(SlotError::BadRateRow { on: r.cap.clone() }),
             Some(Some(policy)) if rated.get(&r.cap) != Some(&policy) => {
                 let log = format!(
-                    "{by}, not through stage_e_rate_limit: {} is limited to {}",
+                    "{}, not through stage_e_rate_limit: {} is limited to {}",
+                    by(),
                     rates::describe(&r.cap),
                     rates::said(policy),
                 );
@@ -94,14 +99,16 @@ pub fn written(op: &str, table: &sql::Table) -> Result<(), SlotError> {
     }
     for cap in adapt_off {
         let log = format!(
-            "{by}, not through stage_e_adapt_off: cap {} is adaptive no more",
+            "{}, not through stage_e_adapt_off: cap {} is adaptive no more",
+            by(),
             quoted(&cap)
         );
         session::policy_changed(&cap, Change::Adapt(PolicyChange::Off), log);
     }
     for on in rate_off {
         let log = format!(
-            "{by}, not through stage_e_rate_limit_off: {} has no rate policy",
+            "{}, not through stage_e_rate_limit_off: {} has no rate policy",
+            by(),
             rates::describe(&on)
         );
         session::policy_changed(&on, Change::Rate(None), log);
