@@ -11,10 +11,11 @@
 //! the caps whose row is gone. Only the rows that have a policy, or whose cap has one, are read
 //! (through indexes, as the table's owner): a row written here with neither changes nothing.
 //! Each is compared with what binds at this transaction's commit (shared memory's policies of
-//! the database, then the changes the transaction queued before, in order), and each difference is queued as `stage_e_adapt`, `stage_e_adapt_off`,
-//! `stage_e_rate_limit` or `stage_e_rate_limit_off` would queue it (`session::policy_changed`):
-//! reserved at the pre-commit (53400 when no record is left, rolling the statement back),
-//! applied and logged at the commit, dropped by a rollback or a rolled-back savepoint.
+//! the database, then the changes the transaction queued before, in order), and each
+//! difference is queued as `stage_e_adapt`, `stage_e_adapt_off`, `stage_e_rate_limit` or
+//! `stage_e_rate_limit_off` would queue it (`session::policy_changed`): reserved at the
+//! pre-commit (53400 when no record is left, rolling the statement back), applied and logged at
+//! the commit, dropped by a rollback or a rolled-back savepoint.
 //!
 //! Other sessions may change other caps' policies meanwhile, so the rows are read after shared
 //! memory and with the latest snapshot (`sql::read_latest`), not the statement's: a commit shared
